@@ -1,0 +1,59 @@
+"""Full multi-head attention for the decoder: causal self-attention and cross-attention.
+
+Letter key: B batch, T query length, S key length, D embed, H heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from longt5_jax.model.config import LongT5Config
+from longt5_jax.model.layers import Projection, normal
+
+HEADS = ("batch", "length", "heads", "kv")
+MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only match with it
+
+
+def qkvo_projections(c: LongT5Config) -> tuple[Projection, Projection, Projection, Projection]:
+    """Query, key, value and output kernels with T5X's initialisers."""
+    qkv = dict(shape=(c.num_heads, c.d_kv), in_axes=("embed",), out_axes=("heads", "kv"),
+               dtype=c.compute_dtype)
+    # No 1/sqrt(d_kv) on the logits: T5 folds it into the query initialiser.
+    return (Projection(**qkv, kernel_init=normal((c.d_model * c.d_kv) ** -0.5)),
+            Projection(**qkv, kernel_init=normal(c.d_model ** -0.5)),
+            Projection(**qkv, kernel_init=normal(c.d_model ** -0.5)),
+            Projection((c.d_model,), ("heads", "kv"), ("embed",),
+                       normal((c.num_heads * c.d_kv) ** -0.5), c.compute_dtype))
+
+
+class Attention(nn.Module):
+    """Bias-free multi-head attention with an additive bias; keys/values may come precomputed."""
+
+    config: LongT5Config
+    deterministic: bool
+
+    def setup(self):
+        self.query, self.key, self.value, self.out = qkvo_projections(self.config)
+        self.dropout = nn.Dropout(self.config.dropout_rate)
+
+    def keys_values(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k = nn.with_logical_constraint(self.key(x_BSD), HEADS)
+        v = nn.with_logical_constraint(self.value(x_BSD), HEADS)
+        return k, v
+
+    def __call__(self, x_BTD: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array,
+                 mask_BTS: jax.Array, bias_HTS: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
+        # Logits and softmax in float32 whatever the compute dtype.
+        logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK,
+                                 preferred_element_type=jnp.float32)
+        if bias_HTS is not None:
+            logits_BHTS = logits_BHTS + bias_HTS
+        logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
+        probs = jax.nn.softmax(logits_BHTS, axis=-1)
+        probs = self.dropout(probs, deterministic=self.deterministic).astype(c.compute_dtype)
+        out_BTHK = nn.with_logical_constraint(jnp.einsum("bhts,bshk->bthk", probs, v_BSHK), HEADS)
+        return self.out(out_BTHK)

@@ -1,0 +1,93 @@
+"""The LongT5 architecture as one frozen dataclass, with the published sizes as presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+Attention = Literal["local", "transient-global"]
+
+# (d_model, d_ff, num_heads, d_kv, encoder layers, decoder layers), from the LongT5 gin files.
+_SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "small": (512, 1024, 6, 64, 8, 8),
+    "base": (768, 2048, 12, 64, 12, 12),
+    "large": (1024, 2816, 16, 64, 24, 24),
+    "xl": (2048, 5120, 32, 64, 24, 24),
+    "xxl": (4096, 10240, 64, 64, 24, 24),
+}
+
+REMAT_POLICIES = ("none", "full", "save_dots")
+_ATTENTION_ALIASES = {"local": "local", "transient-global": "transient-global", "tglobal": "transient-global"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LongT5Config:
+    """LongT5 (T5.1.1 with local or transient-global encoder attention); defaults are base TGlobal."""
+
+    vocab_size: int = 32128
+    d_model: int = 768
+    d_ff: int = 2048
+    num_heads: int = 12
+    d_kv: int = 64
+    num_encoder_layers: int = 12
+    num_decoder_layers: int = 12
+    attention: Attention = "transient-global"
+    local_radius: int = 127
+    global_block_size: int = 16
+    relpos_buckets: int = 32
+    relpos_max_distance: int = 128
+    dropout_rate: float = 0.0
+    layer_norm_eps: float = 1e-6
+    # Parameters are always float32; this is the dtype of activations and matmul inputs.
+    dtype: str = "float32"
+    remat: str = "none"
+    pad_id: int = 0
+    eos_id: int = 1
+    decoder_start_id: int = 0
+
+    def __post_init__(self):
+        attention = _ATTENTION_ALIASES.get(self.attention)
+        if attention is None:
+            raise ValueError(
+                f"LongT5Config.attention={self.attention!r}: expected 'local' or 'transient-global'"
+            )
+        object.__setattr__(self, "attention", attention)
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"LongT5Config.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"LongT5Config.dtype={self.dtype!r}: expected 'float32', 'bfloat16' or 'float16'"
+            )
+        for name in ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_encoder_layers",
+                     "num_decoder_layers", "local_radius", "global_block_size", "relpos_buckets",
+                     "relpos_max_distance"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LongT5Config.{name}={getattr(self, name)}: expected >= 1")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"LongT5Config.dropout_rate={self.dropout_rate}: expected in [0, 1)")
+
+    @property
+    def block_len(self) -> int:
+        """Local attention block: a query attends up to local_radius tokens on each side."""
+        return self.local_radius + 1
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @classmethod
+    def preset(cls, name: str, attention: str = "transient-global", **overrides) -> LongT5Config:
+        """A published size ('small' .. 'xxl') or 'tiny' (a few thousand parameters, for tests)."""
+        if name == "tiny":
+            fields = dict(vocab_size=256, d_model=32, d_ff=64, num_heads=4, d_kv=8,
+                          num_encoder_layers=2, num_decoder_layers=2, local_radius=3,
+                          global_block_size=4, relpos_buckets=8, relpos_max_distance=16)
+        elif name in _SIZES:
+            d, f, h, k, le, ld = _SIZES[name]
+            fields = dict(d_model=d, d_ff=f, num_heads=h, d_kv=k, num_encoder_layers=le,
+                          num_decoder_layers=ld)
+        else:
+            raise ValueError(f"unknown LongT5 preset {name!r}: expected 'tiny' or one of {list(_SIZES)}")
+        return cls(attention=attention, **{**fields, **overrides})

@@ -1,0 +1,97 @@
+"""T5.1.1 building blocks: RMS layer norm, bias-free projections, gated-GELU MLP, embedding.
+
+Parameters are float32 and carry logical axis names; computation runs in `config.compute_dtype`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from longt5_jax.model.config import LongT5Config
+
+Initializer = jax.nn.initializers.Initializer
+
+
+def normal(stddev: float) -> Initializer:
+    return jax.nn.initializers.normal(stddev)
+
+
+def truncated_normal_fan_in() -> Initializer:
+    """T5X's init for 2-D MLP and logits kernels: truncated normal, variance 1 / fan_in."""
+    return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+def uniform_fan_avg() -> Initializer:
+    return jax.nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+
+
+class RMSNorm(nn.Module):
+    """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale; no centring, no bias; stats in float32."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return y.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Projection(nn.Module):
+    """A bias-free linear map contracting the last `len(in_axes)` input axes into `shape`."""
+
+    shape: Sequence[int]
+    in_axes: Sequence[str]
+    out_axes: Sequence[str]
+    kernel_init: Initializer
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.in_axes)
+        kernel_shape = (*x.shape[x.ndim - n_in:], *self.shape)
+        kernel = self.param("kernel", nn.with_logical_partitioning(
+            self.kernel_init, (*self.in_axes, *self.out_axes)), kernel_shape, jnp.float32)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                                   (contract, ((), ())))
+
+
+class MLP(nn.Module):
+    """Gated GELU: wo(gelu_tanh(x wi_0) * (x wi_1)), as T5.1.1 (HF 'gated-gelu')."""
+
+    config: LongT5Config
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        wi = dict(shape=(c.d_ff,), in_axes=("embed",), out_axes=("mlp",),
+                  kernel_init=truncated_normal_fan_in(), dtype=c.compute_dtype)
+        gate = nn.gelu(Projection(**wi, name="wi_0")(x), approximate=True)
+        h = gate * Projection(**wi, name="wi_1")(x)
+        h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+        h = nn.Dropout(c.dropout_rate)(h, deterministic=self.deterministic)
+        return Projection((c.d_model,), ("mlp",), ("embed",), truncated_normal_fan_in(),
+                          c.compute_dtype, name="wo")(h)
+
+
+class Embed(nn.Module):
+    """The token embedding shared by encoder and decoder inputs (not the output projection)."""
+
+    config: LongT5Config
+
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        c = self.config
+        table = self.param("embedding", nn.with_logical_partitioning(normal(1.0), ("vocab", "embed")),
+                           (c.vocab_size, c.d_model), jnp.float32)
+        x = jnp.take(table, ids, axis=0).astype(c.compute_dtype)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))

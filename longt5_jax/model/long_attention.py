@@ -1,0 +1,171 @@
+"""LongT5 encoder self-attention: Local (sliding window) and Transient-Global (TGlobal).
+
+Letter key: B batch, L length, D embed, H heads, K head dim, N blocks, W block length,
+X = 3W keys of a query block's local window, G transient global tokens.
+
+Both work on blocks of W = local_radius + 1 tokens: a query in block n sees blocks n-1, n, n+1
+(3W keys), masked down to |i - j| <= local_radius. TGlobal adds G = L // global_block_size
+side keys, one per block of global_block_size tokens, made afresh in every layer as the RMS-normed
+sum of that block's attention inputs. Local and side logits share one softmax; unlike the
+reference implementations, side keys and values are never tiled across the N blocks.
+
+Packed rows (T5X fine-tuning format: `segment_ids` 0 = padding, `positions` restarting at 0 in
+each contiguous segment) are exact: no attention and no global aggregate crosses a segment.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from longt5_jax.model import relpos
+from longt5_jax.model.config import LongT5Config
+from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
+from longt5_jax.model.layers import RMSNorm
+
+
+def split_blocks(x: jax.Array, w: int) -> jax.Array:
+    """[B, L, ...] -> [B, N, W, ...], zero-padding L up to a multiple of w."""
+    n = -(-x.shape[1] // w)
+    pad = [(0, 0), (0, n * w - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad).reshape(x.shape[0], n, w, *x.shape[2:])
+
+
+def concat_3_blocks(x: jax.Array) -> jax.Array:
+    """[B, N, W, ...] -> [B, N, 3W, ...]: each block with its left and right neighbour (or zeros)."""
+    n = x.shape[1]
+    xp = jnp.pad(x, [(0, 0), (1, 1)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.concatenate([xp[:, :n], xp[:, 1:n + 1], xp[:, 2:]], axis=2)
+
+
+def relative_positions_3block(w: int) -> jax.Array:
+    """[W, 3W] key index minus query index; query j of a block sits at W + j of its window."""
+    return jnp.arange(3 * w)[None, :] - (w + jnp.arange(w))[:, None]
+
+
+def local_mask(segment_ids: jax.Array, w: int) -> jax.Array:
+    """[B, N, W, X]: same segment, not padding, and within the radius."""
+    seg_BNW = split_blocks(segment_ids, w)
+    seg_BNX = concat_3_blocks(seg_BNW)
+    same = (seg_BNW[..., :, None] == seg_BNX[..., None, :]) & (seg_BNW[..., :, None] > 0)
+    return same & (jnp.abs(relative_positions_3block(w)) < w)
+
+
+@flax.struct.dataclass
+class GlobalBlocks:
+    """Which transient global each token feeds, and the segment each global belongs to."""
+
+    block_ids: jax.Array  # [B, L] int32, -1 for padding and segments shorter than one block
+    global_segment_ids: jax.Array  # [B, G] int32, 0 for globals no segment fills
+
+
+def global_blocks(segment_ids: jax.Array, positions: jax.Array, k: int) -> GlobalBlocks:
+    """Fixed blocks of k tokens per segment, in integer arithmetic.
+
+    Every complete block of a segment gets one global (numbered along the row); the trailing
+    n mod k tokens of a segment join its last complete block; a segment of fewer than k tokens has
+    none. Unpacked this is block_id = min(p // k, n // k - 1). transformers derives the ids from a
+    float cumsum of 1/k, which misplaces tokens when k is not a power of two (e.g. k = 3); these
+    integer ids are flaxformer's definition.
+    """
+    b, length = segment_ids.shape
+    num_globals = length // k
+    valid = segment_ids > 0
+    # A complete block starts at i when token i + k - 1 is in the same segment, k - 1 further on.
+    seg_ahead = jnp.pad(segment_ids[:, k - 1:], [(0, 0), (0, k - 1)])
+    pos_ahead = jnp.pad(positions[:, k - 1:], [(0, 0), (0, k - 1)], constant_values=-1)
+    starts = valid & (positions % k == 0) & (seg_ahead == segment_ids) & (
+        pos_ahead == positions + k - 1)
+    count = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    segment_start = jnp.clip(jnp.arange(length) - positions, 0, length - 1)
+    before_segment = jnp.take_along_axis(count - starts, segment_start, axis=1)
+    block_ids = jnp.where(valid & (count > before_segment), count - 1, -1)
+    # Each global takes the segment id of its block's first token.
+    target = jnp.where(starts, count - 1, num_globals)
+    global_segment_ids = jnp.zeros((b, num_globals), jnp.int32).at[
+        jnp.arange(b)[:, None], target].set(segment_ids.astype(jnp.int32), mode="drop")
+    return GlobalBlocks(block_ids.astype(jnp.int32), global_segment_ids)
+
+
+def global_aggregates(x_BLD: jax.Array, block_ids: jax.Array, num_globals: int) -> jax.Array:
+    """[B, G, D] float32 sum of each block's tokens (a sum, as the references; not a mean)."""
+    ids = jnp.where(block_ids >= 0, block_ids, num_globals)
+
+    def one_row(x_LD, ids_L):
+        return jax.ops.segment_sum(x_LD, ids_L, num_segments=num_globals + 1)[:num_globals]
+
+    return jax.vmap(one_row)(x_BLD.astype(jnp.float32), ids)
+
+
+class LongSelfAttention(nn.Module):
+    """Local or transient-global self-attention over blocks (per `config.attention`)."""
+
+    config: LongT5Config
+    deterministic: bool
+
+    def setup(self):
+        c = self.config
+        self.query, self.key, self.value, self.out = qkvo_projections(c)
+        if c.attention == "transient-global":
+            self.global_input_layer_norm = RMSNorm(c.layer_norm_eps, c.compute_dtype)
+        self.dropout = nn.Dropout(c.dropout_rate)
+
+    def __call__(self, x_BLD: jax.Array, segment_ids: jax.Array, local_bias_HWX: jax.Array,
+                 blocks: GlobalBlocks | None, side_table_HR: jax.Array | None) -> jax.Array:
+        c, w = self.config, self.config.block_len
+        length = x_BLD.shape[1]
+        q_BLHK = nn.with_logical_constraint(self.query(x_BLD), HEADS)
+        k_BLHK = nn.with_logical_constraint(self.key(x_BLD), HEADS)
+        v_BLHK = nn.with_logical_constraint(self.value(x_BLD), HEADS)
+        q_BNWHK = split_blocks(q_BLHK, w)
+        k_BNXHK = concat_3_blocks(split_blocks(k_BLHK, w))
+        v_BNXHK = concat_3_blocks(split_blocks(v_BLHK, w))
+
+        # Logits, biases and softmax in float32 whatever the compute dtype: in half precision the
+        # -1e10 mask overflows and fully masked rows turn into NaN.
+        mask_BNWX = local_mask(segment_ids, w)
+        local_BNHWX = jnp.einsum("bnwhk,bnxhk->bnhwx", q_BNWHK, k_BNXHK,
+                                 preferred_element_type=jnp.float32)
+        local_BNHWX = local_BNHWX + local_bias_HWX + jnp.where(mask_BNWX, 0.0, MASKED)[:, :, None]
+        logits = [local_BNHWX]
+        values = [("bnhwx,bnxhk->bnwhk", v_BNXHK)]
+
+        num_globals = length // c.global_block_size
+        if blocks is not None:  # also when G = 0 (inputs shorter than a block), for the params
+            agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
+            g_BGD = self.global_input_layer_norm(agg_BGD)
+            side_k_BGHK, side_v_BGHK = self.key(g_BGD), self.value(g_BGD)
+            side_BNHWG = jnp.einsum("bnwhk,bghk->bnhwg", q_BNWHK, side_k_BGHK,
+                                    preferred_element_type=jnp.float32)
+            side_BNHWG = side_BNHWG + self._side_bias(segment_ids, blocks, side_table_HR, num_globals)
+            logits.append(side_BNHWG)
+            values.append(("bnhwg,bghk->bnwhk", side_v_BGHK))
+
+        # One softmax over local and side keys without concatenating them.
+        peak = jnp.max(jnp.stack([jnp.max(s, axis=-1, initial=-jnp.inf) for s in logits]), axis=0)
+        peak = peak[..., None]
+        exps = [jnp.exp(s - peak) for s in logits]
+        total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+        out_BNWHK = 0.0
+        for e, (spec, v) in zip(exps, values, strict=True):
+            probs = self.dropout(e / total, deterministic=self.deterministic).astype(c.compute_dtype)
+            out_BNWHK = out_BNWHK + jnp.einsum(spec, probs, v)
+        b, n = out_BNWHK.shape[:2]
+        out_BLHK = out_BNWHK.reshape(b, n * w, c.num_heads, c.d_kv)[:, :length]
+        out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
+        return self.out(out_BLHK)
+
+    def _side_bias(self, segment_ids: jax.Array, blocks: GlobalBlocks, table_HR: jax.Array,
+                   num_globals: int) -> jax.Array:
+        """[B, N, H, W, G]: side relative-position bias plus the same-segment mask."""
+        c, w = self.config, self.config.block_len
+        block_ids_BNW = split_blocks(blocks.block_ids, w)
+        seg_BNW = split_blocks(segment_ids, w)
+        rel_BNWG = jnp.arange(num_globals) - block_ids_BNW[..., None]
+        buckets = relpos.relative_position_bucket(rel_BNWG, True, c.relpos_buckets,
+                                                  c.relpos_max_distance)
+        bias_BNHWG = relpos.lookup(table_HR, buckets)
+        same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
+        return bias_BNHWG + jnp.where(same_BNWG, 0.0, MASKED)[:, :, None]
