@@ -74,8 +74,8 @@ def global_blocks(segment_ids: jax.Array, positions: jax.Array, k: int) -> Globa
     num_globals = length // k
     valid = segment_ids > 0
     # A complete block starts at i when token i + k - 1 is in the same segment, k - 1 further on.
-    seg_ahead = jnp.pad(segment_ids[:, k - 1:], [(0, 0), (0, k - 1)])
-    pos_ahead = jnp.pad(positions[:, k - 1:], [(0, 0), (0, k - 1)], constant_values=-1)
+    seg_ahead = jnp.pad(segment_ids, [(0, 0), (0, k - 1)])[:, k - 1:]
+    pos_ahead = jnp.pad(positions, [(0, 0), (0, k - 1)], constant_values=-1)[:, k - 1:]
     starts = valid & (positions % k == 0) & (seg_ahead == segment_ids) & (
         pos_ahead == positions + k - 1)
     count = jnp.cumsum(starts, axis=1, dtype=jnp.int32)

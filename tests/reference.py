@@ -1,0 +1,66 @@
+"""Shared test helpers: random tiny models, batches, and transformers' PyTorch LongT5 on the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longt5_jax import hf
+from longt5_jax.model import LongT5, LongT5Config
+
+
+def random_params(config: LongT5Config, seed: int = 0, noise: float = 0.1):
+    """Initialised params with every leaf perturbed, so norm scales and relpos tables matter."""
+    ids = jnp.ones((1, 1), jnp.int32)
+    params = nn.unbox(LongT5(config).init(jax.random.key(seed), ids, None, ids))["params"]
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return jax.tree.unflatten(treedef, [x + noise * jax.random.normal(k, x.shape)
+                                        for x, k in zip(leaves, keys, strict=True)])
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    decoder_input_ids: np.ndarray
+    decoder_attention_mask: np.ndarray
+    labels: np.ndarray
+
+
+def padded_batch(config: LongT5Config, input_lens, target_lens, length: int, target_length: int,
+                 seed: int = 0) -> Batch:
+    """Right-padded random tokens; decoder inputs are the labels shifted right after start id 0."""
+    rng = np.random.default_rng(seed)
+    b = len(input_lens)
+    mask = (np.arange(length)[None] < np.array(input_lens)[:, None]).astype(np.int32)
+    ids = rng.integers(2, config.vocab_size, (b, length)).astype(np.int32) * mask
+    dmask = (np.arange(target_length)[None] < np.array(target_lens)[:, None]).astype(np.int32)
+    labels = rng.integers(2, config.vocab_size, (b, target_length)).astype(np.int32) * dmask
+    dec = np.concatenate([np.zeros((b, 1), np.int32), labels[:, :-1]], axis=1) * dmask
+    return Batch(ids, mask, dec, dmask, labels)
+
+
+def torch_model(config: LongT5Config, params):
+    """transformers' LongT5ForConditionalGeneration holding exactly `params`, in eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.LongT5ForConditionalGeneration(
+        transformers.LongT5Config(**hf.config_to_hf(config)))
+    state = {k: torch.from_numpy(v.copy()) for k, v in hf.to_hf(config, params).items()}
+    state["encoder.embed_tokens.weight"] = state["decoder.embed_tokens.weight"] = state["shared.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def max_rel(ours, ref, where=None) -> tuple[float, float]:
+    """(max |ours - ref|, that over max |ref|), optionally only where `where` is true."""
+    diff, ref = np.abs(np.asarray(ours) - np.asarray(ref)), np.abs(np.asarray(ref))
+    if where is not None:
+        diff, ref = diff[where], ref[where]
+    return float(diff.max()), float(diff.max() / max(ref.max(), 1e-30))
