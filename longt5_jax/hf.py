@@ -92,8 +92,12 @@ def _num_layers(config: LongT5Config, path: str) -> int:
 def to_hf(config: LongT5Config, params: Params) -> dict[str, np.ndarray]:
     """Our parameter (or gradient) tree -> a transformers LongT5 state dict of numpy arrays."""
     flat = flax.traverse_util.flatten_dict(_plain(params), sep="/")
+    table = name_table(config)
+    missing = [path for path, _, _ in table if path not in flat]
+    if missing:
+        raise ValueError(f"params are not a {config.attention} LongT5 tree: missing {missing[:3]}")
     out = {}
-    for path, name, kind in name_table(config):
+    for path, name, kind in table:
         x = np.asarray(flat[path])
         if "{i}" in name:
             for i in range(_num_layers(config, path)):

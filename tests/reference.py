@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +22,7 @@ def random_params(config: LongT5Config, seed: int = 0, noise: float = 0.1):
                                         for x, k in zip(leaves, keys, strict=True)])
 
 
-@dataclasses.dataclass
+@flax.struct.dataclass
 class Batch:
     input_ids: np.ndarray
     attention_mask: np.ndarray

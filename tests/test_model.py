@@ -1,0 +1,130 @@
+"""Model structure: presets, parameter counts, logical axes, remat, dropout, sharded execution."""
+
+import dataclasses
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+from reference import max_rel, padded_batch, random_params
+
+from longt5_jax.loss import cross_entropy
+from longt5_jax.model import LongT5, LongT5Config, count_params
+
+LOGICAL_AXES = {"batch", "length", "embed", "heads", "kv", "mlp", "vocab", "relpos_buckets",
+                "layers"}
+
+
+def _abstract_params(config):
+    ids = jnp.ones((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: LongT5(config).init(jax.random.key(0), ids, None, ids))
+
+
+# The spec's counts (untied embedding and LM head, no biases).
+@pytest.mark.parametrize("name,attention,count", [
+    ("base", "local", 247_577_856), ("base", "transient-global", 247_587_456),
+    ("large", "local", 783_150_080), ("large", "transient-global", 783_175_168),
+    ("xl", "local", 2_849_757_184), ("xl", "transient-global", 2_849_807_360),
+])
+def test_preset_parameter_counts_match_the_spec(name, attention, count):
+    assert count_params(_abstract_params(LongT5Config.preset(name, attention))) == count
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "base", "large", "xl", "xxl"])
+@pytest.mark.parametrize("attention", ["local", "transient-global", "tglobal"])
+def test_presets_build_for_both_attention_types(name, attention):
+    config = LongT5Config.preset(name, attention)
+    assert config.attention in ("local", "transient-global")
+    assert count_params(_abstract_params(config)) > 0
+
+
+def test_every_parameter_has_logical_axis_names():
+    tree = _abstract_params(LongT5Config.preset("tiny"))["params"]
+    boxes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert boxes and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)
+    for b in boxes:
+        assert len(b.names) == b.value.ndim and set(b.names) <= LOGICAL_AXES, b.names
+    stacked = [b for b in boxes if b.names[0] == "layers"]
+    assert len(stacked) == len(boxes) - 7  # all but embedding, 3 relpos tables, 2 norms, logits
+
+
+def test_the_model_never_sees_a_mesh():
+    for f in pathlib.Path("longt5_jax/model").glob("*.py"):
+        text = f.read_text()
+        for word in ("jax.sharding", "PartitionSpec", "NamedSharding", "Mesh("):
+            assert word not in text, f"{f} mentions {word}"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("attention", "global", "attention='global'"),
+    ("remat", "some", "remat='some'"),
+    ("dtype", "int8", "dtype='int8'"),
+    ("d_model", 0, "d_model=0"),
+    ("dropout_rate", 1.5, "dropout_rate=1.5"),
+])
+def test_bad_config_values_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LongT5Config(**{field: value})
+    with pytest.raises(ValueError, match="unknown LongT5 preset 'huge'"):
+        LongT5Config.preset("huge")
+
+
+def _loss(params, config, batch, **kwargs):
+    logits = LongT5(config).apply({"params": params}, batch.input_ids, batch.attention_mask,
+                                  batch.decoder_input_ids, batch.decoder_attention_mask, **kwargs)
+    per_token, _ = cross_entropy(logits, jnp.asarray(batch.labels), z_loss=1e-4)
+    return jnp.sum(per_token * batch.decoder_attention_mask)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_remat_changes_memory_not_gradients(remat):
+    config = LongT5Config.preset("tiny")
+    params = random_params(config)
+    batch = padded_batch(config, [21, 9], [5, 3], 21, 5)
+    want = jax.jit(jax.grad(_loss), static_argnums=1)(params, config, batch)
+    got = jax.jit(jax.grad(_loss), static_argnums=1)(
+        params, dataclasses.replace(config, remat=remat), batch)
+    # Recomputation may fuse float ops differently, so equal up to float32 rounding.
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert max_rel(a, b)[1] <= 1e-6
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+    config = LongT5Config.preset("tiny", dropout_rate=0.3)
+    params = random_params(config)
+    batch = padded_batch(config, [21, 9], [5, 3], 21, 5)
+    eval_loss = _loss(params, config, batch)
+    a = _loss(params, config, batch, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    b = _loss(params, config, batch, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    c = _loss(params, config, batch, deterministic=False, rngs={"dropout": jax.random.key(2)})
+    assert a == b and a != c and a != eval_loss
+    assert eval_loss == _loss(params, dataclasses.replace(config, dropout_rate=0.0), batch)
+
+
+@pytest.mark.parametrize("attention", ["local", "transient-global"])
+def test_logical_names_shard_over_a_mesh_without_changing_results(attention):
+    """The logical names are consistent: a data x tensor mesh runs the same forward and grads."""
+    config = LongT5Config.preset("tiny", attention)
+    params = random_params(config)
+    batch = padded_batch(config, [21, 9, 17, 4], [5, 3, 5, 1], 21, 5)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(_loss), static_argnums=1)(
+        params, config, batch)
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    rules = (("batch", "data"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
+    axes = nn.get_partition_spec(_abstract_params(config))["params"]
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        shardings = nn.logical_to_mesh_sharding(axes, mesh, rules)
+        sharded = jax.device_put(params, shardings)
+        assert sharded["decoder"]["logits_dense"]["kernel"].sharding.spec == PartitionSpec(
+            None, "tensor")
+        step = jax.jit(jax.value_and_grad(_loss), static_argnums=1)
+        hlo = step.lower(sharded, config, batch).as_text()
+        assert "sharding_constraint" in hlo  # the activation names took effect
+        loss, grads = step(sharded, config, batch)
+    assert max_rel(loss, want_loss)[1] <= 1e-5
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        assert max_rel(a, b)[1] <= 1e-5
