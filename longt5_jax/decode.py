@@ -12,8 +12,9 @@ from longt5_jax.model import LongT5, init_cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_length"))
-def greedy_decode(model: LongT5, params: Any, input_ids: jax.Array, attention_mask: jax.Array,
-                  max_length: int) -> jax.Array:
+def greedy_decode(
+    model: LongT5, params: Any, input_ids: jax.Array, attention_mask: jax.Array, max_length: int
+) -> jax.Array:
     """[B, max_length] greedy continuation of the decoder start token; pad after each EOS."""
     c = model.config
     variables = {"params": params}
@@ -21,8 +22,15 @@ def greedy_decode(model: LongT5, params: Any, input_ids: jax.Array, attention_ma
     encoded = model.apply(variables, input_ids, attention_mask, method=LongT5.encode)
 
     def step(token, cache, index):
-        logits, cache = model.apply(variables, encoded, attention_mask, token[:, None],
-                                    cache=cache, cache_index=index, method=LongT5.decode)
+        logits, cache = model.apply(
+            variables,
+            encoded,
+            attention_mask,
+            token[:, None],
+            cache=cache,
+            cache_index=index,
+            method=LongT5.decode,
+        )
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
     start = jnp.full((b,), c.decoder_start_id, jnp.int32)

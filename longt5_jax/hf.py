@@ -25,8 +25,11 @@ Params = dict[str, Any]
 
 _ENC_ATTN = {"local": "LocalSelfAttention", "transient-global": "TransientGlobalSelfAttention"}
 # Aliases of shared.weight, and a legacy T5 key transformers itself ignores.
-_IGNORED = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}
+_IGNORED = {
+    "encoder.embed_tokens.weight",
+    "decoder.embed_tokens.weight",
+    "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
+}
 
 # How a tensor changes between our layout and PyTorch's nn.Linear [out, in] layout.
 # qkv: ours [D, H, K] <-> [H*K, D]; out: ours [H, K, D] <-> [D, H*K]; T: a 2-D transpose.
@@ -48,9 +51,10 @@ def _attention(ours: str, hf: str) -> list[tuple[str, str, str]]:
 
 
 def _mlp(ours: str, hf: str) -> list[tuple[str, str, str]]:
-    return [(f"{ours}/mlp/{n}/kernel", f"{hf}.DenseReluDense.{n}.weight", "T")
-            for n in ("wi_0", "wi_1", "wo")] + [
-        (f"{ours}/pre_mlp_layer_norm/scale", f"{hf}.layer_norm.weight", "copy")]
+    return [
+        (f"{ours}/mlp/{n}/kernel", f"{hf}.DenseReluDense.{n}.weight", "T")
+        for n in ("wi_0", "wi_1", "wo")
+    ] + [(f"{ours}/pre_mlp_layer_norm/scale", f"{hf}.layer_norm.weight", "copy")]
 
 
 def name_table(config: LongT5Config) -> list[tuple[str, str, str]]:
@@ -59,17 +63,31 @@ def name_table(config: LongT5Config) -> list[tuple[str, str, str]]:
     enc_attn = f"{enc}.0.{_ENC_ATTN[config.attention]}"
     table = [
         ("token_embedder/embedding", "shared.weight", "copy"),
-        ("encoder/relpos_bias/rel_embedding",
-         enc_attn.format(i=0) + ".relative_attention_bias.weight", "T"),
+        (
+            "encoder/relpos_bias/rel_embedding",
+            enc_attn.format(i=0) + ".relative_attention_bias.weight",
+            "T",
+        ),
         ("encoder/layers/pre_attention_layer_norm/scale", f"{enc}.0.layer_norm.weight", "copy"),
         *_attention("encoder/layers/attention", enc_attn),
         *_mlp("encoder/layers", f"{enc}.1"),
         ("encoder/encoder_norm/scale", "encoder.final_layer_norm.weight", "copy"),
-        ("decoder/relpos_bias/rel_embedding",
-         "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", "T"),
-        ("decoder/layers/pre_self_attention_layer_norm/scale", f"{dec}.0.layer_norm.weight", "copy"),
+        (
+            "decoder/relpos_bias/rel_embedding",
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            "T",
+        ),
+        (
+            "decoder/layers/pre_self_attention_layer_norm/scale",
+            f"{dec}.0.layer_norm.weight",
+            "copy",
+        ),
         *_attention("decoder/layers/self_attention", f"{dec}.0.SelfAttention"),
-        ("decoder/layers/pre_cross_attention_layer_norm/scale", f"{dec}.1.layer_norm.weight", "copy"),
+        (
+            "decoder/layers/pre_cross_attention_layer_norm/scale",
+            f"{dec}.1.layer_norm.weight",
+            "copy",
+        ),
         *_attention("decoder/layers/encoder_decoder_attention", f"{dec}.1.EncDecAttention"),
         *_mlp("decoder/layers", f"{dec}.2"),
         ("decoder/decoder_norm/scale", "decoder.final_layer_norm.weight", "copy"),
@@ -77,10 +95,16 @@ def name_table(config: LongT5Config) -> list[tuple[str, str, str]]:
     ]
     if config.attention == "transient-global":
         table += [
-            ("encoder/side_relpos_bias/rel_embedding",
-             enc_attn.format(i=0) + ".global_relative_attention_bias.weight", "T"),
-            ("encoder/layers/attention/global_input_layer_norm/scale",
-             f"{enc_attn}.global_input_layer_norm.weight", "copy"),
+            (
+                "encoder/side_relpos_bias/rel_embedding",
+                enc_attn.format(i=0) + ".global_relative_attention_bias.weight",
+                "T",
+            ),
+            (
+                "encoder/layers/attention/global_input_layer_norm/scale",
+                f"{enc_attn}.global_input_layer_norm.weight",
+                "copy",
+            ),
         ]
     return table
 
@@ -107,8 +131,12 @@ def to_hf(config: LongT5Config, params: Params) -> dict[str, np.ndarray]:
     return out
 
 
-def from_hf(config: LongT5Config, state: dict[str, np.ndarray], source: str = "state dict",
-            tied: bool = False) -> Params:
+def from_hf(
+    config: LongT5Config,
+    state: dict[str, np.ndarray],
+    source: str = "state dict",
+    tied: bool = False,
+) -> Params:
     """A transformers LongT5 state dict -> our parameter tree (float32 numpy arrays).
 
     With `tied` (tie_word_embeddings=true), the LM head is the embedding scaled by d_model**-0.5,
@@ -117,30 +145,40 @@ def from_hf(config: LongT5Config, state: dict[str, np.ndarray], source: str = "s
     shapes = _param_shapes(config)
     state = dict(state)
     if tied and "lm_head.weight" not in state and "shared.weight" in state:
-        state["lm_head.weight"] = np.asarray(state["shared.weight"]) * config.d_model ** -0.5
+        state["lm_head.weight"] = np.asarray(state["shared.weight"]) * config.d_model**-0.5
     table = name_table(config)
-    expected = {n.format(i=i) for p, n, _ in table
-                for i in range(_num_layers(config, p) if "{i}" in n else 1)}
+    expected = {
+        n.format(i=i)
+        for p, n, _ in table
+        for i in range(_num_layers(config, p) if "{i}" in n else 1)
+    }
     missing = sorted(expected - state.keys())
     if missing:
-        raise ValueError(f"{source}: not a {config.attention} LongT5 checkpoint of this shape: "
-                         f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(
+            f"{source}: not a {config.attention} LongT5 checkpoint of this shape: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     unexpected = sorted(state.keys() - expected - _IGNORED)
     if unexpected:
-        raise ValueError(f"{source}: unexpected tensors {unexpected[:5]} for a {config.attention} "
-                         f"LongT5 with {config.num_encoder_layers}+{config.num_decoder_layers} layers")
+        raise ValueError(
+            f"{source}: unexpected tensors {unexpected[:5]} for a {config.attention} "
+            f"LongT5 with {config.num_encoder_layers}+{config.num_decoder_layers} layers"
+        )
     flat = {}
     for path, name, kind in table:
         shape = shapes[path]
         if "{i}" in name:
-            layers = [_from_hf(kind, _f32(state[name.format(i=i)]), shape[1:])
-                      for i in range(shape[0])]
+            layers = [
+                _from_hf(kind, _f32(state[name.format(i=i)]), shape[1:]) for i in range(shape[0])
+            ]
             flat[path] = np.stack(layers)
         else:
             flat[path] = _from_hf(kind, _f32(state[name]), shape)
         if flat[path].shape != shape:
-            raise ValueError(f"{source}: {name} has shape {state[name.replace('{i}', '0')].shape}, "
-                             f"which does not fit {path} {shape}")
+            raise ValueError(
+                f"{source}: {name} has shape {state[name.replace('{i}', '0')].shape}, "
+                f"which does not fit {path} {shape}"
+            )
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 
 
@@ -166,6 +204,7 @@ def _param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
 
 
 # --- files -------------------------------------------------------------------------------------
+
 
 def config_to_hf(config: LongT5Config) -> dict[str, Any]:
     return {
@@ -201,12 +240,17 @@ def config_from_hf(hf: dict[str, Any], source: str) -> LongT5Config:
         raise ValueError(f"{source}: model_type is {hf.get('model_type')!r}, expected 'longt5'")
     act = hf.get("feed_forward_proj", "relu")
     if act != "gated-gelu":
-        raise ValueError(f"{source}: feed_forward_proj is {act!r}; only LongT5.1.1's 'gated-gelu' "
-                         "is supported")
+        raise ValueError(
+            f"{source}: feed_forward_proj is {act!r}; only LongT5.1.1's 'gated-gelu' is supported"
+        )
     try:
         return LongT5Config(
-            vocab_size=hf["vocab_size"], d_model=hf["d_model"], d_kv=hf["d_kv"], d_ff=hf["d_ff"],
-            num_heads=hf["num_heads"], num_encoder_layers=hf["num_layers"],
+            vocab_size=hf["vocab_size"],
+            d_model=hf["d_model"],
+            d_kv=hf["d_kv"],
+            d_ff=hf["d_ff"],
+            num_heads=hf["num_heads"],
+            num_encoder_layers=hf["num_layers"],
             num_decoder_layers=hf.get("num_decoder_layers") or hf["num_layers"],
             attention=hf.get("encoder_attention_type", "local"),
             local_radius=hf.get("local_radius", 127),
@@ -215,8 +259,10 @@ def config_from_hf(hf: dict[str, Any], source: str) -> LongT5Config:
             relpos_max_distance=hf.get("relative_attention_max_distance", 128),
             dropout_rate=hf.get("dropout_rate", 0.1),
             layer_norm_eps=hf.get("layer_norm_epsilon", 1e-6),
-            pad_id=hf.get("pad_token_id", 0), eos_id=hf.get("eos_token_id", 1),
-            decoder_start_id=hf.get("decoder_start_token_id", 0))
+            pad_id=hf.get("pad_token_id", 0),
+            eos_id=hf.get("eos_token_id", 1),
+            decoder_start_id=hf.get("decoder_start_token_id", 0),
+        )
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
 
@@ -225,9 +271,13 @@ def _read_state(path: Path) -> dict[str, np.ndarray]:
     """Tensors from model.safetensors, pytorch_model.bin, or their sharded `.index.json` forms."""
     for name in ("model.safetensors", "pytorch_model.bin"):
         index = path / f"{name}.index.json"
-        files = ([path / name] if (path / name).exists() else
-                 sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-                 if index.exists() else [])
+        files = (
+            [path / name]
+            if (path / name).exists()
+            else sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+            if index.exists()
+            else []
+        )
         if files:
             state = {}
             for f in files:
@@ -241,6 +291,7 @@ def _read_file(f: Path) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{f}: listed in the index but missing")
     if f.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
+
         try:
             with safe_open(str(f), framework="numpy") as st:
                 return {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
@@ -249,8 +300,9 @@ def _read_file(f: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise ImportError(f"{f}: reading PyTorch .bin files needs torch; "
-                          "convert to safetensors or install torch") from None
+        raise ImportError(
+            f"{f}: reading PyTorch .bin files needs torch; convert to safetensors or install torch"
+        ) from None
     # weights_only: tensors and plain containers only, never arbitrary pickled objects.
     sd = torch.load(f, map_location="cpu", weights_only=True)
     return {k: v.float().numpy() for k, v in sd.items()}
@@ -261,14 +313,17 @@ def load(path: str | os.PathLike) -> tuple[LongT5Config, Params]:
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
-        raise FileNotFoundError(f"{config_file}: missing (expected a transformers LongT5 directory)")
+        raise FileNotFoundError(
+            f"{config_file}: missing (expected a transformers LongT5 directory)"
+        )
     try:
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
     config = config_from_hf(hf, str(config_file))
-    params = from_hf(config, _read_state(path), source=str(path),
-                     tied=hf.get("tie_word_embeddings", True))
+    params = from_hf(
+        config, _read_state(path), source=str(path), tied=hf.get("tie_word_embeddings", True)
+    )
     return config, params
 
 
@@ -283,7 +338,9 @@ def save(config: LongT5Config, params: Params, path: str | os.PathLike) -> None:
     # on load; without these copies it warns they are newly initialised before recovering them.
     for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
         state[alias] = state["shared.weight"]
-    _atomic_write(path / "model.safetensors", lambda f: save_file(state, f, metadata={"format": "pt"}))
+    _atomic_write(
+        path / "model.safetensors", lambda f: save_file(state, f, metadata={"format": "pt"})
+    )
     text = json.dumps(config_to_hf(config), indent=2) + "\n"
     _atomic_write(path / "config.json", lambda f: Path(f).write_text(text))
 

@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array,
-                  z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, z_loss: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
     """Per-token (loss, z_loss term), each [B, T]; loss includes z_loss * log(Z)^2.
 
     The z-loss keeps the softmax normaliser near 1 (T5X uses 1e-4); masking and normalisation

@@ -1,4 +1,4 @@
-"""Shared test helpers: random tiny models, batches, and transformers' PyTorch LongT5 on the same weights."""
+"""Test helpers: random tiny models and batches; transformers' LongT5 holding the same weights."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def random_params(config: LongT5Config, seed: int = 0, noise: float = 0.1):
     params = nn.unbox(LongT5(config).init(jax.random.key(seed), ids, None, ids))["params"]
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    return jax.tree.unflatten(treedef, [x + noise * jax.random.normal(k, x.shape)
-                                        for x, k in zip(leaves, keys, strict=True)])
+    return jax.tree.unflatten(
+        treedef,
+        [x + noise * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)],
+    )
 
 
 @flax.struct.dataclass
@@ -31,8 +33,9 @@ class Batch:
     labels: np.ndarray
 
 
-def padded_batch(config: LongT5Config, input_lens, target_lens, length: int, target_length: int,
-                 seed: int = 0) -> Batch:
+def padded_batch(
+    config: LongT5Config, input_lens, target_lens, length: int, target_length: int, seed: int = 0
+) -> Batch:
     """Right-padded random tokens; decoder inputs are the labels shifted right after start id 0."""
     rng = np.random.default_rng(seed)
     b = len(input_lens)
@@ -50,9 +53,12 @@ def torch_model(config: LongT5Config, params):
     import transformers
 
     model = transformers.LongT5ForConditionalGeneration(
-        transformers.LongT5Config(**hf.config_to_hf(config)))
+        transformers.LongT5Config(**hf.config_to_hf(config))
+    )
     state = {k: torch.from_numpy(v.copy()) for k, v in hf.to_hf(config, params).items()}
-    state["encoder.embed_tokens.weight"] = state["decoder.embed_tokens.weight"] = state["shared.weight"]
+    state["encoder.embed_tokens.weight"] = state["decoder.embed_tokens.weight"] = state[
+        "shared.weight"
+    ]
     model.load_state_dict(state, strict=True)
     return model.eval()
 

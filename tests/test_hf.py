@@ -23,15 +23,20 @@ def setup(request):
 
 
 def _logits(config, params, batch):
-    return np.asarray(LongT5(config).apply({"params": params}, batch.input_ids,
-                                           batch.attention_mask, batch.decoder_input_ids))
+    return np.asarray(
+        LongT5(config).apply(
+            {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
+        )
+    )
 
 
 def _torch_logits(model, batch):
     with torch.no_grad():
-        return model(input_ids=torch.tensor(batch.input_ids).long(),
-                     attention_mask=torch.tensor(batch.attention_mask),
-                     decoder_input_ids=torch.tensor(batch.decoder_input_ids).long()).logits.numpy()
+        return model(
+            input_ids=torch.tensor(batch.input_ids).long(),
+            attention_mask=torch.tensor(batch.attention_mask),
+            decoder_input_ids=torch.tensor(batch.decoder_input_ids).long(),
+        ).logits.numpy()
 
 
 def _assert_same_tree(a, b):
@@ -52,7 +57,8 @@ def test_transformers_loads_our_save_with_the_same_logits(setup, tmp_path):
     config, params, batch = setup
     hf.save(config, params, tmp_path)
     model, info = transformers.LongT5ForConditionalGeneration.from_pretrained(
-        tmp_path, output_loading_info=True)
+        tmp_path, output_loading_info=True
+    )
     assert not any(info.values()), info  # nothing missing, unexpected or re-initialised
     assert not model.config.tie_word_embeddings
     theirs = _torch_logits(model.eval(), batch)
@@ -62,8 +68,9 @@ def test_transformers_loads_our_save_with_the_same_logits(setup, tmp_path):
 @pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
 def test_load_reads_transformers_saves_including_shards(setup, tmp_path, safe):
     config, params, _ = setup
-    torch_model(config, params).save_pretrained(tmp_path, safe_serialization=safe,
-                                                max_shard_size="40KB")
+    torch_model(config, params).save_pretrained(
+        tmp_path, safe_serialization=safe, max_shard_size="40KB"
+    )
     assert list(tmp_path.glob("*.index.json"))  # sharded
     loaded_config, loaded = hf.load(tmp_path)
     assert loaded_config == dataclasses.replace(config, dropout_rate=loaded_config.dropout_rate)
@@ -72,12 +79,15 @@ def test_load_reads_transformers_saves_including_shards(setup, tmp_path, safe):
 
 def test_tied_checkpoints_load_with_the_output_scale_folded_in(setup, tmp_path):
     config, params, batch = setup
-    hf_config = transformers.LongT5Config(**{**hf.config_to_hf(config), "tie_word_embeddings": True})
+    hf_config = transformers.LongT5Config(
+        **{**hf.config_to_hf(config), "tie_word_embeddings": True}
+    )
     model = transformers.LongT5ForConditionalGeneration(hf_config).eval()
     model.save_pretrained(tmp_path)
     loaded_config, loaded = hf.load(tmp_path)
-    np.testing.assert_allclose(_logits(loaded_config, loaded, batch), _torch_logits(model, batch),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        _logits(loaded_config, loaded, batch), _torch_logits(model, batch), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_bad_directories_give_one_clear_error(setup, tmp_path):

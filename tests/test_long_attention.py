@@ -11,9 +11,11 @@ import torch
 from transformers.models.longt5 import modeling_longt5 as hf_longt5
 
 from longt5_jax.model import LongT5Config, relpos
-from longt5_jax.model.long_attention import (LongSelfAttention, global_blocks,
-                                             relative_positions_3block)
-
+from longt5_jax.model.long_attention import (
+    LongSelfAttention,
+    global_blocks,
+    relative_positions_3block,
+)
 
 _global_blocks = jax.jit(global_blocks, static_argnums=2)
 
@@ -75,6 +77,7 @@ def test_block_ids_match_transformers_and_need_no_float_arithmetic():
 
 # --- dense oracle ------------------------------------------------------------------------------
 
+
 def _oracle_blocks(segment_ids, k, length):
     """Per-row python loops over segments: block id per token and segment per global."""
     block_ids = np.full(segment_ids.shape, -1)
@@ -92,14 +95,17 @@ def _oracle_blocks(segment_ids, k, length):
             for p in range(j - i):
                 if full:
                     block_ids[b, i + p] = offset + min(p // k, full - 1)
-            gseg[b, offset:offset + full] = row[i]
+            gseg[b, offset : offset + full] = row[i]
             offset, i = offset + full, j
     return block_ids, gseg
 
 
 def _bucket(rel, c, bidirectional=True):
-    return np.asarray(relpos.relative_position_bucket(jnp.asarray(rel), bidirectional,
-                                                      c.relpos_buckets, c.relpos_max_distance))
+    return np.asarray(
+        relpos.relative_position_bucket(
+            jnp.asarray(rel), bidirectional, c.relpos_buckets, c.relpos_max_distance
+        )
+    )
 
 
 def dense_long_attention(c, p, x, segment_ids, local_table, side_table):
@@ -110,8 +116,11 @@ def dense_long_attention(c, p, x, segment_ids, local_table, side_table):
     v = np.einsum("bld,dhk->blhk", x, p["value"]["kernel"])
     idx = np.arange(length)
     rel = idx[None, :] - idx[:, None]
-    allowed = ((np.abs(rel) <= c.local_radius)[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
-               & (segment_ids[:, :, None] > 0))
+    allowed = (
+        (np.abs(rel) <= c.local_radius)[None]
+        & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        & (segment_ids[:, :, None] > 0)
+    )
     logits = np.einsum("bihk,bjhk->bhij", q, k) + local_table[:, _bucket(rel, c)][None]
     logits = logits + np.where(allowed, 0.0, -1e10)[:, None]
     values = v
@@ -148,15 +157,16 @@ def _segments(rng, length, packed):
     end = int(rng.integers(1, length + 1))
     while i < end:
         n = int(rng.integers(1, end - i + 1)) if packed else end - i
-        seg[i:i + n], pos[i:i + n] = s, np.arange(n)
+        seg[i : i + n], pos[i : i + n] = s, np.arange(n)
         i, s = i + n, s + 1
     return seg, pos
 
 
 @pytest.mark.parametrize("attention", ["local", "transient-global"])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("radius,k,length", [(3, 4, 1), (3, 4, 23), (3, 3, 40), (5, 6, 37),
-                                             (2, 5, 64)])
+@pytest.mark.parametrize(
+    "radius,k,length", [(3, 4, 1), (3, 4, 23), (3, 3, 40), (5, 6, 37), (2, 5, 64)]
+)
 def test_blocked_attention_equals_dense_oracle(attention, packed, radius, k, length):
     c = LongT5Config.preset("tiny", attention, local_radius=radius, global_block_size=k)
     rng = np.random.default_rng(length * 7 + radius)
@@ -168,8 +178,9 @@ def test_blocked_attention_equals_dense_oracle(attention, packed, radius, k, len
     side_table = rng.normal(size=(c.num_heads, c.relpos_buckets)).astype(np.float32)
 
     layer = LongSelfAttention(c, True)
-    local_bias = relpos.lookup(jnp.asarray(local_table), jnp.asarray(
-        _bucket(relative_positions_3block(c.block_len), c)))
+    local_bias = relpos.lookup(
+        jnp.asarray(local_table), jnp.asarray(_bucket(relative_positions_3block(c.block_len), c))
+    )
     blocks = global_blocks(jnp.asarray(seg), jnp.asarray(pos), k) if attention != "local" else None
     side = jnp.asarray(side_table) if blocks is not None else None
     args = (jnp.asarray(x), jnp.asarray(seg), local_bias, blocks, side)
@@ -178,8 +189,9 @@ def test_blocked_attention_equals_dense_oracle(attention, packed, radius, k, len
     ours = np.asarray(layer.apply({"params": params}, *args))
 
     p = jax.tree.map(np.asarray, params)
-    want = dense_long_attention(c, p, x.astype(np.float64), seg, local_table,
-                                side_table if blocks is not None else None)
+    want = dense_long_attention(
+        c, p, x.astype(np.float64), seg, local_table, side_table if blocks is not None else None
+    )
     real = seg > 0
     np.testing.assert_allclose(ours[real], want[real], rtol=1e-5, atol=1e-5)
 
@@ -187,8 +199,27 @@ def test_blocked_attention_equals_dense_oracle(attention, packed, radius, k, len
 def test_relative_position_buckets_match_the_spec_table():
     c = LongT5Config()
     got = dict(zip(range(-130, 131), _bucket(np.arange(-130, 131), c).tolist(), strict=True))
-    table = {0: 0, -1: 1, -7: 7, -8: 8, -11: 8, -12: 9, -15: 9, -16: 10, -22: 10, -23: 11,
-             -31: 11, -32: 12, -45: 12, -46: 13, -63: 13, -64: 14, -90: 14, -91: 15, -130: 15}
+    table = {
+        0: 0,
+        -1: 1,
+        -7: 7,
+        -8: 8,
+        -11: 8,
+        -12: 9,
+        -15: 9,
+        -16: 10,
+        -22: 10,
+        -23: 11,
+        -31: 11,
+        -32: 12,
+        -45: 12,
+        -46: 13,
+        -63: 13,
+        -64: 14,
+        -90: 14,
+        -91: 15,
+        -130: 15,
+    }
     for rel, bucket in table.items():
         assert got[rel] == bucket, rel
         assert got[-rel] == (16 + bucket if rel else 0), -rel
@@ -203,8 +234,10 @@ def test_relative_position_buckets_match_transformers(buckets, max_distance):
     rel = torch.arange(-3 * max_distance, 3 * max_distance)
     for bidirectional in (True, False):
         theirs = hf_longt5.LongT5Attention._relative_position_bucket(
-            rel, bidirectional=bidirectional, num_buckets=buckets, max_distance=max_distance)
-        ours = relpos.relative_position_bucket(jnp.asarray(rel.numpy()), bidirectional, buckets,
-                                               max_distance)
+            rel, bidirectional=bidirectional, num_buckets=buckets, max_distance=max_distance
+        )
+        ours = relpos.relative_position_bucket(
+            jnp.asarray(rel.numpy()), bidirectional, buckets, max_distance
+        )
         assert (np.asarray(ours) == theirs.numpy()).all()
     assert math.isfinite(float(max_distance))

@@ -14,8 +14,17 @@ from reference import max_rel, padded_batch, random_params
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5, LongT5Config, count_params
 
-LOGICAL_AXES = {"batch", "length", "embed", "heads", "kv", "mlp", "vocab", "relpos_buckets",
-                "layers"}
+LOGICAL_AXES = {
+    "batch",
+    "length",
+    "embed",
+    "heads",
+    "kv",
+    "mlp",
+    "vocab",
+    "relpos_buckets",
+    "layers",
+}
 
 
 def _abstract_params(config):
@@ -24,11 +33,17 @@ def _abstract_params(config):
 
 
 # The spec's counts (untied embedding and LM head, no biases).
-@pytest.mark.parametrize("name,attention,count", [
-    ("base", "local", 247_577_856), ("base", "transient-global", 247_587_456),
-    ("large", "local", 783_150_080), ("large", "transient-global", 783_175_168),
-    ("xl", "local", 2_849_757_184), ("xl", "transient-global", 2_849_807_360),
-])
+@pytest.mark.parametrize(
+    "name,attention,count",
+    [
+        ("base", "local", 247_577_856),
+        ("base", "transient-global", 247_587_456),
+        ("large", "local", 783_150_080),
+        ("large", "transient-global", 783_175_168),
+        ("xl", "local", 2_849_757_184),
+        ("xl", "transient-global", 2_849_807_360),
+    ],
+)
 def test_preset_parameter_counts_match_the_spec(name, attention, count):
     assert count_params(_abstract_params(LongT5Config.preset(name, attention))) == count
 
@@ -58,13 +73,16 @@ def test_the_model_never_sees_a_mesh():
             assert word not in text, f"{f} mentions {word}"
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("attention", "global", "attention='global'"),
-    ("remat", "some", "remat='some'"),
-    ("dtype", "int8", "dtype='int8'"),
-    ("d_model", 0, "d_model=0"),
-    ("dropout_rate", 1.5, "dropout_rate=1.5"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("attention", "global", "attention='global'"),
+        ("remat", "some", "remat='some'"),
+        ("dtype", "int8", "dtype='int8'"),
+        ("d_model", 0, "d_model=0"),
+        ("dropout_rate", 1.5, "dropout_rate=1.5"),
+    ],
+)
 def test_bad_config_values_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         LongT5Config(**{field: value})
@@ -72,11 +90,21 @@ def test_bad_config_values_name_the_field(field, value, message):
         LongT5Config.preset("huge")
 
 
-def _loss(params, config, batch, **kwargs):
-    logits = LongT5(config).apply({"params": params}, batch.input_ids, batch.attention_mask,
-                                  batch.decoder_input_ids, batch.decoder_attention_mask, **kwargs)
+def _loss_fn(params, config, batch, deterministic=True, rngs=None):
+    logits = LongT5(config).apply(
+        {"params": params},
+        batch.input_ids,
+        batch.attention_mask,
+        batch.decoder_input_ids,
+        batch.decoder_attention_mask,
+        deterministic=deterministic,
+        rngs=rngs,
+    )
     per_token, _ = cross_entropy(logits, jnp.asarray(batch.labels), z_loss=1e-4)
     return jnp.sum(per_token * batch.decoder_attention_mask)
+
+
+_loss = jax.jit(_loss_fn, static_argnames=("config", "deterministic"))
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
@@ -84,9 +112,8 @@ def test_remat_changes_memory_not_gradients(remat):
     config = LongT5Config.preset("tiny")
     params = random_params(config)
     batch = padded_batch(config, [21, 9], [5, 3], 21, 5)
-    want = jax.jit(jax.grad(_loss), static_argnums=1)(params, config, batch)
-    got = jax.jit(jax.grad(_loss), static_argnums=1)(
-        params, dataclasses.replace(config, remat=remat), batch)
+    want = jax.grad(_loss)(params, config, batch)
+    got = jax.grad(_loss)(params, dataclasses.replace(config, remat=remat), batch)
     # Recomputation may fuse float ops differently, so equal up to float32 rounding.
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert max_rel(a, b)[1] <= 1e-6
@@ -110,8 +137,7 @@ def test_logical_names_shard_over_a_mesh_without_changing_results(attention):
     config = LongT5Config.preset("tiny", attention)
     params = random_params(config)
     batch = padded_batch(config, [21, 9, 17, 4], [5, 3, 5, 1], 21, 5)
-    want_loss, want_grads = jax.jit(jax.value_and_grad(_loss), static_argnums=1)(
-        params, config, batch)
+    want_loss, want_grads = jax.value_and_grad(_loss)(params, config, batch)
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
     rules = (("batch", "data"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
@@ -120,8 +146,10 @@ def test_logical_names_shard_over_a_mesh_without_changing_results(attention):
         shardings = nn.logical_to_mesh_sharding(axes, mesh, rules)
         sharded = jax.device_put(params, shardings)
         assert sharded["decoder"]["logits_dense"]["kernel"].sharding.spec == PartitionSpec(
-            None, "tensor")
-        step = jax.jit(jax.value_and_grad(_loss), static_argnums=1)
+            None, "tensor"
+        )
+        # A fresh jit: logical rules are read while tracing, so no trace from outside may be reused.
+        step = jax.jit(jax.value_and_grad(_loss_fn), static_argnums=1)
         hlo = step.lower(sharded, config, batch).as_text()
         assert "sharding_constraint" in hlo  # the activation names took effect
         loss, grads = step(sharded, config, batch)

@@ -16,9 +16,21 @@ from longt5_jax.model import LongT5, LongT5Config
 CASES = [
     ("tiny", {}, 23, 7, [23, 17, 3], [7, 5, 2]),
     ("tiny-long", {}, 61, 9, [61, 50, 33, 4], [9, 9, 3, 1]),
-    ("tiny-t5-buckets", dict(local_radius=5, global_block_size=8, relpos_buckets=32,
-                             relpos_max_distance=128, num_heads=2, d_kv=16), 45, 20,
-     [45, 40, 7], [20, 11, 20]),
+    (
+        "tiny-t5-buckets",
+        dict(
+            local_radius=5,
+            global_block_size=8,
+            relpos_buckets=32,
+            relpos_max_distance=128,
+            num_heads=2,
+            d_kv=16,
+        ),
+        45,
+        20,
+        [45, 40, 7],
+        [20, 11, 20],
+    ),
     ("shorter-than-a-block", {}, 3, 4, [3, 2], [4, 3]),
 ]
 ATTENTION = ["local", "transient-global"]
@@ -34,17 +46,24 @@ def _setup(attention, overrides, length, target_length, input_lens, target_lens)
 def _torch_forward(config, params, batch):
     model = torch_model(config, params)
     labels = np.where(batch.decoder_attention_mask > 0, batch.labels, -100)
-    out = model(input_ids=torch.tensor(batch.input_ids).long(),
-                attention_mask=torch.tensor(batch.attention_mask),
-                decoder_input_ids=torch.tensor(batch.decoder_input_ids).long(),
-                decoder_attention_mask=torch.tensor(batch.decoder_attention_mask),
-                labels=torch.tensor(labels).long())
+    out = model(
+        input_ids=torch.tensor(batch.input_ids).long(),
+        attention_mask=torch.tensor(batch.attention_mask),
+        decoder_input_ids=torch.tensor(batch.decoder_input_ids).long(),
+        decoder_attention_mask=torch.tensor(batch.decoder_attention_mask),
+        labels=torch.tensor(labels).long(),
+    )
     return model, out
 
 
 def _loss(params, model, batch):
-    logits = model.apply({"params": params}, batch.input_ids, batch.attention_mask,
-                         batch.decoder_input_ids, batch.decoder_attention_mask)
+    logits = model.apply(
+        {"params": params},
+        batch.input_ids,
+        batch.attention_mask,
+        batch.decoder_input_ids,
+        batch.decoder_attention_mask,
+    )
     per_token, _ = cross_entropy(logits, jnp.asarray(batch.labels))
     weights = batch.decoder_attention_mask
     return jnp.sum(per_token * weights) / jnp.sum(weights)
@@ -57,15 +76,21 @@ def test_forward_and_loss_match_transformers(attention, case):
     _, out = _torch_forward(config, params, batch)
     model = LongT5(config)
 
-    encoded = model.apply({"params": params}, batch.input_ids, batch.attention_mask,
-                          method=LongT5.encode)
+    encoded = model.apply(
+        {"params": params}, batch.input_ids, batch.attention_mask, method=LongT5.encode
+    )
     real = batch.attention_mask.astype(bool)
     abs_err, rel_err = max_rel(encoded, out.encoder_last_hidden_state.detach().numpy(), real)
     print(f"\n{case[0]} {attention}: encoder abs {abs_err:.2e} rel {rel_err:.2e}", end="")
     assert abs_err <= 1e-4 and rel_err <= 1e-5
 
-    logits = model.apply({"params": params}, batch.input_ids, batch.attention_mask,
-                         batch.decoder_input_ids, batch.decoder_attention_mask)
+    logits = model.apply(
+        {"params": params},
+        batch.input_ids,
+        batch.attention_mask,
+        batch.decoder_input_ids,
+        batch.decoder_attention_mask,
+    )
     assert logits.shape == (*batch.decoder_input_ids.shape, config.vocab_size)
     targets = batch.decoder_attention_mask.astype(bool)
     abs_err, rel_err = max_rel(logits, out.logits.detach().numpy(), targets)
@@ -100,11 +125,16 @@ def test_gradients_match_transformers(attention, case):
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_bfloat16_compute_stays_close(attention):
     config, params, batch = _setup(attention, *CASES[1][1:])
-    args = (batch.input_ids, batch.attention_mask, batch.decoder_input_ids,
-            batch.decoder_attention_mask)
+    args = (
+        batch.input_ids,
+        batch.attention_mask,
+        batch.decoder_input_ids,
+        batch.decoder_attention_mask,
+    )
     f32 = LongT5(config).apply({"params": params}, *args)
     bf16 = LongT5(config.__class__(**{**config.__dict__, "dtype": "bfloat16"})).apply(
-        {"params": params}, *args)
+        {"params": params}, *args
+    )
     assert bf16.dtype == jnp.float32  # the output projection runs in float32
     assert np.isfinite(np.asarray(bf16)).all()
     real = batch.decoder_attention_mask.astype(bool)

@@ -18,14 +18,25 @@ MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only
 
 def qkvo_projections(c: LongT5Config) -> tuple[Projection, Projection, Projection, Projection]:
     """Query, key, value and output kernels with T5X's initialisers."""
-    qkv = dict(shape=(c.num_heads, c.d_kv), in_axes=("embed",), out_axes=("heads", "kv"),
-               dtype=c.compute_dtype)
+    qkv = dict(
+        shape=(c.num_heads, c.d_kv),
+        in_axes=("embed",),
+        out_axes=("heads", "kv"),
+        dtype=c.compute_dtype,
+    )
     # No 1/sqrt(d_kv) on the logits: T5 folds it into the query initialiser.
-    return (Projection(**qkv, kernel_init=normal((c.d_model * c.d_kv) ** -0.5)),
-            Projection(**qkv, kernel_init=normal(c.d_model ** -0.5)),
-            Projection(**qkv, kernel_init=normal(c.d_model ** -0.5)),
-            Projection((c.d_model,), ("heads", "kv"), ("embed",),
-                       normal((c.num_heads * c.d_kv) ** -0.5), c.compute_dtype))
+    return (
+        Projection(**qkv, kernel_init=normal((c.d_model * c.d_kv) ** -0.5)),
+        Projection(**qkv, kernel_init=normal(c.d_model**-0.5)),
+        Projection(**qkv, kernel_init=normal(c.d_model**-0.5)),
+        Projection(
+            (c.d_model,),
+            ("heads", "kv"),
+            ("embed",),
+            normal((c.num_heads * c.d_kv) ** -0.5),
+            c.compute_dtype,
+        ),
+    )
 
 
 class Attention(nn.Module):
@@ -43,13 +54,20 @@ class Attention(nn.Module):
         v = nn.with_logical_constraint(self.value(x_BSD), HEADS)
         return k, v
 
-    def __call__(self, x_BTD: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array,
-                 mask_BTS: jax.Array, bias_HTS: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        k_BSHK: jax.Array,
+        v_BSHK: jax.Array,
+        mask_BTS: jax.Array,
+        bias_HTS: jax.Array | None = None,
+    ) -> jax.Array:
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         # Logits and softmax in float32 whatever the compute dtype.
-        logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK,
-                                 preferred_element_type=jnp.float32)
+        logits_BHTS = jnp.einsum(
+            "bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32
+        )
         if bias_HTS is not None:
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]

@@ -19,12 +19,16 @@ _SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 
 REMAT_POLICIES = ("none", "full", "save_dots")
-_ATTENTION_ALIASES = {"local": "local", "transient-global": "transient-global", "tglobal": "transient-global"}
+_ATTENTION_ALIASES = {
+    "local": "local",
+    "transient-global": "transient-global",
+    "tglobal": "transient-global",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class LongT5Config:
-    """LongT5 (T5.1.1 with local or transient-global encoder attention); defaults are base TGlobal."""
+    """LongT5: T5.1.1 with local or transient-global encoder attention; defaults: base TGlobal."""
 
     vocab_size: int = 32128
     d_model: int = 768
@@ -60,9 +64,19 @@ class LongT5Config:
             raise ValueError(
                 f"LongT5Config.dtype={self.dtype!r}: expected 'float32', 'bfloat16' or 'float16'"
             )
-        for name in ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_encoder_layers",
-                     "num_decoder_layers", "local_radius", "global_block_size", "relpos_buckets",
-                     "relpos_max_distance"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "d_ff",
+            "num_heads",
+            "d_kv",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "local_radius",
+            "global_block_size",
+            "relpos_buckets",
+            "relpos_max_distance",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"LongT5Config.{name}={getattr(self, name)}: expected >= 1")
         if not 0.0 <= self.dropout_rate < 1.0:
@@ -81,13 +95,26 @@ class LongT5Config:
     def preset(cls, name: str, attention: str = "transient-global", **overrides) -> LongT5Config:
         """A published size ('small' .. 'xxl') or 'tiny' (a few thousand parameters, for tests)."""
         if name == "tiny":
-            fields = dict(vocab_size=256, d_model=32, d_ff=64, num_heads=4, d_kv=8,
-                          num_encoder_layers=2, num_decoder_layers=2, local_radius=3,
-                          global_block_size=4, relpos_buckets=8, relpos_max_distance=16)
+            fields = dict(
+                vocab_size=256,
+                d_model=32,
+                d_ff=64,
+                num_heads=4,
+                d_kv=8,
+                num_encoder_layers=2,
+                num_decoder_layers=2,
+                local_radius=3,
+                global_block_size=4,
+                relpos_buckets=8,
+                relpos_max_distance=16,
+            )
         elif name in _SIZES:
             d, f, h, k, le, ld = _SIZES[name]
-            fields = dict(d_model=d, d_ff=f, num_heads=h, d_kv=k, num_encoder_layers=le,
-                          num_decoder_layers=ld)
+            fields = dict(
+                d_model=d, d_ff=f, num_heads=h, d_kv=k, num_encoder_layers=le, num_decoder_layers=ld
+            )
         else:
-            raise ValueError(f"unknown LongT5 preset {name!r}: expected 'tiny' or one of {list(_SIZES)}")
+            raise ValueError(
+                f"unknown LongT5 preset {name!r}: expected 'tiny' or one of {list(_SIZES)}"
+            )
         return cls(attention=attention, **{**fields, **overrides})

@@ -37,8 +37,12 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                           (x.shape[-1],), jnp.float32)
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            (x.shape[-1],),
+            jnp.float32,
+        )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return y.astype(self.dtype) * scale.astype(self.dtype)
@@ -56,12 +60,17 @@ class Projection(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         n_in = len(self.in_axes)
-        kernel_shape = (*x.shape[x.ndim - n_in:], *self.shape)
-        kernel = self.param("kernel", nn.with_logical_partitioning(
-            self.kernel_init, (*self.in_axes, *self.out_axes)), kernel_shape, jnp.float32)
+        kernel_shape = (*x.shape[x.ndim - n_in :], *self.shape)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(self.kernel_init, (*self.in_axes, *self.out_axes)),
+            kernel_shape,
+            jnp.float32,
+        )
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        return jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
-                                   (contract, ((), ())))
+        return jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        )
 
 
 class MLP(nn.Module):
@@ -73,14 +82,25 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        wi = dict(shape=(c.d_ff,), in_axes=("embed",), out_axes=("mlp",),
-                  kernel_init=truncated_normal_fan_in(), dtype=c.compute_dtype)
+        wi = dict(
+            shape=(c.d_ff,),
+            in_axes=("embed",),
+            out_axes=("mlp",),
+            kernel_init=truncated_normal_fan_in(),
+            dtype=c.compute_dtype,
+        )
         gate = nn.gelu(Projection(**wi, name="wi_0")(x), approximate=True)
         h = gate * Projection(**wi, name="wi_1")(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = nn.Dropout(c.dropout_rate)(h, deterministic=self.deterministic)
-        return Projection((c.d_model,), ("mlp",), ("embed",), truncated_normal_fan_in(),
-                          c.compute_dtype, name="wo")(h)
+        return Projection(
+            (c.d_model,),
+            ("mlp",),
+            ("embed",),
+            truncated_normal_fan_in(),
+            c.compute_dtype,
+            name="wo",
+        )(h)
 
 
 class Embed(nn.Module):
@@ -91,7 +111,11 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
         c = self.config
-        table = self.param("embedding", nn.with_logical_partitioning(normal(1.0), ("vocab", "embed")),
-                           (c.vocab_size, c.d_model), jnp.float32)
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(normal(1.0), ("vocab", "embed")),
+            (c.vocab_size, c.d_model),
+            jnp.float32,
+        )
         x = jnp.take(table, ids, axis=0).astype(c.compute_dtype)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import relpos
-from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
+from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import RMSNorm
 
 
@@ -34,10 +34,10 @@ def split_blocks(x: jax.Array, w: int) -> jax.Array:
 
 
 def concat_3_blocks(x: jax.Array) -> jax.Array:
-    """[B, N, W, ...] -> [B, N, 3W, ...]: each block with its left and right neighbour (or zeros)."""
+    """[B, N, W, ...] -> [B, N, 3W, ...]: each block with its two neighbours (zeros at the ends)."""
     n = x.shape[1]
     xp = jnp.pad(x, [(0, 0), (1, 1)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.concatenate([xp[:, :n], xp[:, 1:n + 1], xp[:, 2:]], axis=2)
+    return jnp.concatenate([xp[:, :n], xp[:, 1 : n + 1], xp[:, 2:]], axis=2)
 
 
 def relative_positions_3block(w: int) -> jax.Array:
@@ -74,18 +74,22 @@ def global_blocks(segment_ids: jax.Array, positions: jax.Array, k: int) -> Globa
     num_globals = length // k
     valid = segment_ids > 0
     # A complete block starts at i when token i + k - 1 is in the same segment, k - 1 further on.
-    seg_ahead = jnp.pad(segment_ids, [(0, 0), (0, k - 1)])[:, k - 1:]
-    pos_ahead = jnp.pad(positions, [(0, 0), (0, k - 1)], constant_values=-1)[:, k - 1:]
-    starts = valid & (positions % k == 0) & (seg_ahead == segment_ids) & (
-        pos_ahead == positions + k - 1)
+    seg_ahead = jnp.pad(segment_ids, [(0, 0), (0, k - 1)])[:, k - 1 :]
+    pos_ahead = jnp.pad(positions, [(0, 0), (0, k - 1)], constant_values=-1)[:, k - 1 :]
+    starts = (
+        valid & (positions % k == 0) & (seg_ahead == segment_ids) & (pos_ahead == positions + k - 1)
+    )
     count = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
     segment_start = jnp.clip(jnp.arange(length) - positions, 0, length - 1)
     before_segment = jnp.take_along_axis(count - starts, segment_start, axis=1)
     block_ids = jnp.where(valid & (count > before_segment), count - 1, -1)
     # Each global takes the segment id of its block's first token.
     target = jnp.where(starts, count - 1, num_globals)
-    global_segment_ids = jnp.zeros((b, num_globals), jnp.int32).at[
-        jnp.arange(b)[:, None], target].set(segment_ids.astype(jnp.int32), mode="drop")
+    global_segment_ids = (
+        jnp.zeros((b, num_globals), jnp.int32)
+        .at[jnp.arange(b)[:, None], target]
+        .set(segment_ids.astype(jnp.int32), mode="drop")
+    )
     return GlobalBlocks(block_ids.astype(jnp.int32), global_segment_ids)
 
 
@@ -112,8 +116,14 @@ class LongSelfAttention(nn.Module):
             self.global_input_layer_norm = RMSNorm(c.layer_norm_eps, c.compute_dtype)
         self.dropout = nn.Dropout(c.dropout_rate)
 
-    def __call__(self, x_BLD: jax.Array, segment_ids: jax.Array, local_bias_HWX: jax.Array,
-                 blocks: GlobalBlocks | None, side_table_HR: jax.Array | None) -> jax.Array:
+    def __call__(
+        self,
+        x_BLD: jax.Array,
+        segment_ids: jax.Array,
+        local_bias_HWX: jax.Array,
+        blocks: GlobalBlocks | None,
+        side_table_HR: jax.Array | None,
+    ) -> jax.Array:
         c, w = self.config, self.config.block_len
         length = x_BLD.shape[1]
         q_BLHK = nn.with_logical_constraint(self.query(x_BLD), HEADS)
@@ -126,8 +136,9 @@ class LongSelfAttention(nn.Module):
         # Logits, biases and softmax in float32 whatever the compute dtype: in half precision the
         # -1e10 mask overflows and fully masked rows turn into NaN.
         mask_BNWX = local_mask(segment_ids, w)
-        local_BNHWX = jnp.einsum("bnwhk,bnxhk->bnhwx", q_BNWHK, k_BNXHK,
-                                 preferred_element_type=jnp.float32)
+        local_BNHWX = jnp.einsum(
+            "bnwhk,bnxhk->bnhwx", q_BNWHK, k_BNXHK, preferred_element_type=jnp.float32
+        )
         local_BNHWX = local_BNHWX + local_bias_HWX + jnp.where(mask_BNWX, 0.0, MASKED)[:, :, None]
         logits = [local_BNHWX]
         values = [("bnhwx,bnxhk->bnwhk", v_BNXHK)]
@@ -137,9 +148,12 @@ class LongSelfAttention(nn.Module):
             agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
             g_BGD = self.global_input_layer_norm(agg_BGD)
             side_k_BGHK, side_v_BGHK = self.key(g_BGD), self.value(g_BGD)
-            side_BNHWG = jnp.einsum("bnwhk,bghk->bnhwg", q_BNWHK, side_k_BGHK,
-                                    preferred_element_type=jnp.float32)
-            side_BNHWG = side_BNHWG + self._side_bias(segment_ids, blocks, side_table_HR, num_globals)
+            side_BNHWG = jnp.einsum(
+                "bnwhk,bghk->bnhwg", q_BNWHK, side_k_BGHK, preferred_element_type=jnp.float32
+            )
+            side_BNHWG = side_BNHWG + self._side_bias(
+                segment_ids, blocks, side_table_HR, num_globals
+            )
             logits.append(side_BNHWG)
             values.append(("bnhwg,bghk->bnwhk", side_v_BGHK))
 
@@ -150,22 +164,26 @@ class LongSelfAttention(nn.Module):
         total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
         out_BNWHK = 0.0
         for e, (spec, v) in zip(exps, values, strict=True):
-            probs = self.dropout(e / total, deterministic=self.deterministic).astype(c.compute_dtype)
+            probs = self.dropout(e / total, deterministic=self.deterministic).astype(
+                c.compute_dtype
+            )
             out_BNWHK = out_BNWHK + jnp.einsum(spec, probs, v)
         b, n = out_BNWHK.shape[:2]
         out_BLHK = out_BNWHK.reshape(b, n * w, c.num_heads, c.d_kv)[:, :length]
         out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
         return self.out(out_BLHK)
 
-    def _side_bias(self, segment_ids: jax.Array, blocks: GlobalBlocks, table_HR: jax.Array,
-                   num_globals: int) -> jax.Array:
+    def _side_bias(
+        self, segment_ids: jax.Array, blocks: GlobalBlocks, table_HR: jax.Array, num_globals: int
+    ) -> jax.Array:
         """[B, N, H, W, G]: side relative-position bias plus the same-segment mask."""
         c, w = self.config, self.config.block_len
         block_ids_BNW = split_blocks(blocks.block_ids, w)
         seg_BNW = split_blocks(segment_ids, w)
         rel_BNWG = jnp.arange(num_globals) - block_ids_BNW[..., None]
-        buckets = relpos.relative_position_bucket(rel_BNWG, True, c.relpos_buckets,
-                                                  c.relpos_max_distance)
+        buckets = relpos.relative_position_bucket(
+            rel_BNWG, True, c.relpos_buckets, c.relpos_max_distance
+        )
         bias_BNHWG = relpos.lookup(table_HR, buckets)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
         return bias_BNHWG + jnp.where(same_BNWG, 0.0, MASKED)[:, :, None]

@@ -10,8 +10,9 @@ import numpy as np
 from longt5_jax.model.layers import uniform_fan_avg
 
 
-def relative_position_bucket(rel: jax.Array, bidirectional: bool, num_buckets: int,
-                             max_distance: int) -> jax.Array:
+def relative_position_bucket(
+    rel: jax.Array, bidirectional: bool, num_buckets: int, max_distance: int
+) -> jax.Array:
     """Mesh-TF bucketing of rel = memory_position - query_position.
 
     Half the buckets are exact distances, the rest logarithmic up to max_distance. In bidirectional
@@ -43,9 +44,12 @@ class RelposTable(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param("rel_embedding", nn.with_logical_partitioning(
-            uniform_fan_avg(), ("heads", "relpos_buckets")),
-            (self.num_heads, self.num_buckets), jnp.float32)
+        return self.param(
+            "rel_embedding",
+            nn.with_logical_partitioning(uniform_fan_avg(), ("heads", "relpos_buckets")),
+            (self.num_heads, self.num_buckets),
+            jnp.float32,
+        )
 
 
 def lookup(table_HR: jax.Array, buckets: jax.Array) -> jax.Array:

@@ -15,8 +15,12 @@ from longt5_jax.model import relpos
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import MLP, Embed, Projection, RMSNorm, truncated_normal_fan_in
-from longt5_jax.model.long_attention import (GlobalBlocks, LongSelfAttention, global_blocks,
-                                             relative_positions_3block)
+from longt5_jax.model.long_attention import (
+    GlobalBlocks,
+    LongSelfAttention,
+    global_blocks,
+    relative_positions_3block,
+)
 
 EMBED = ("batch", "length", "embed")
 Cache = dict[str, jax.Array]
@@ -24,14 +28,25 @@ Cache = dict[str, jax.Array]
 _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _stack(layer: type[nn.Module], config: LongT5Config, num_layers: int, in_axes: tuple,
-           deterministic: bool, name: str) -> nn.Module:
+def _stack(
+    layer: type[nn.Module],
+    config: LongT5Config,
+    num_layers: int,
+    in_axes: tuple,
+    deterministic: bool,
+    name: str,
+) -> nn.Module:
     """`num_layers` copies of `layer` as one scan; parameters gain a leading 'layers' axis."""
     if config.remat != "none":
         layer = nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=False)
-    scanned = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                      in_axes=in_axes, length=num_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
+    scanned = nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=in_axes,
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     return scanned(config, deterministic, name=name)
 
 
@@ -42,13 +57,20 @@ class EncoderLayer(nn.Module):
     deterministic: bool
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, local_bias_HWX: jax.Array,
-                 blocks: GlobalBlocks | None, side_table_HR: jax.Array | None):
+    def __call__(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array,
+        local_bias_HWX: jax.Array,
+        blocks: GlobalBlocks | None,
+        side_table_HR: jax.Array | None,
+    ):
         c, det = self.config, self.deterministic
         norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
         h = RMSNorm(**norm, name="pre_attention_layer_norm")(x)
-        h = LongSelfAttention(c, det, name="attention")(h, segment_ids, local_bias_HWX, blocks,
-                                                        side_table_HR)
+        h = LongSelfAttention(c, det, name="attention")(
+            h, segment_ids, local_bias_HWX, blocks, side_table_HR
+        )
         x = x + nn.Dropout(c.dropout_rate)(h, deterministic=det)
         h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x))
         x = x + nn.Dropout(c.dropout_rate)(h, deterministic=det)
@@ -56,14 +78,22 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm causal self-attention, cross-attention and MLP; optionally reads/writes a KV cache."""
+    """Pre-norm causal self-attention, cross-attention and MLP; may read and write a KV cache."""
 
     config: LongT5Config
     deterministic: bool
 
     @nn.compact
-    def __call__(self, x: jax.Array, cache: Cache | None, encoded: jax.Array, self_mask: jax.Array,
-                 self_bias_HTS: jax.Array, cross_mask: jax.Array, cache_index: jax.Array):
+    def __call__(
+        self,
+        x: jax.Array,
+        cache: Cache | None,
+        encoded: jax.Array,
+        self_mask: jax.Array,
+        self_bias_HTS: jax.Array,
+        cross_mask: jax.Array,
+        cache_index: jax.Array,
+    ):
         c, det = self.config, self.deterministic
         norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
         h = RMSNorm(**norm, name="pre_self_attention_layer_norm")(x)
@@ -72,8 +102,9 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, cache_index, axis=1)
-        x = x + nn.Dropout(c.dropout_rate)(attn(h, k, v, self_mask, self_bias_HTS),
-                                           deterministic=det)
+        x = x + nn.Dropout(c.dropout_rate)(
+            attn(h, k, v, self_mask, self_bias_HTS), deterministic=det
+        )
 
         h = RMSNorm(**norm, name="pre_cross_attention_layer_norm")(x)
         cross = Attention(c, det, name="encoder_decoder_attention")
@@ -93,21 +124,25 @@ class Encoder(nn.Module):
     config: LongT5Config
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-                 deterministic: bool) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, deterministic: bool
+    ) -> jax.Array:
         c = self.config
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
-        buckets = relpos.relative_position_bucket(relative_positions_3block(c.block_len), True,
-                                                  c.relpos_buckets, c.relpos_max_distance)
+        buckets = relpos.relative_position_bucket(
+            relative_positions_3block(c.block_len), True, c.relpos_buckets, c.relpos_max_distance
+        )
         local_bias_HWX = relpos.lookup(table_HR, buckets)
         blocks = side_table_HR = None
         if c.attention == "transient-global":
             blocks = global_blocks(segment_ids, positions, c.global_block_size)
-            side_table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets,
-                                               name="side_relpos_bias")()
+            side_table_HR = relpos.RelposTable(
+                c.num_heads, c.relpos_buckets, name="side_relpos_bias"
+            )()
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        layers = _stack(EncoderLayer, c, c.num_encoder_layers, (nn.broadcast,) * 4, deterministic,
-                        "layers")
+        layers = _stack(
+            EncoderLayer, c, c.num_encoder_layers, (nn.broadcast,) * 4, deterministic, "layers"
+        )
         x, _ = layers(x, segment_ids, local_bias_HWX, blocks, side_table_HR)
         x = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="encoder_norm")(x)
         return nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
@@ -117,29 +152,54 @@ class Decoder(nn.Module):
     config: LongT5Config
 
     @nn.compact
-    def __call__(self, y: jax.Array, encoded: jax.Array, self_mask: jax.Array,
-                 cross_mask: jax.Array, cache: Cache | None, cache_index: jax.Array,
-                 deterministic: bool) -> tuple[jax.Array, Cache | None]:
+    def __call__(
+        self,
+        y: jax.Array,
+        encoded: jax.Array,
+        self_mask: jax.Array,
+        cross_mask: jax.Array,
+        cache: Cache | None,
+        cache_index: jax.Array,
+        deterministic: bool,
+    ) -> tuple[jax.Array, Cache | None]:
         c = self.config
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
         num_keys = self_mask.shape[-1]
         rel_TS = jnp.arange(num_keys)[None, :] - (cache_index + jnp.arange(y.shape[1]))[:, None]
-        bias_HTS = relpos.lookup(table_HR, relpos.relative_position_bucket(
-            rel_TS, False, c.relpos_buckets, c.relpos_max_distance))
+        bias_HTS = relpos.lookup(
+            table_HR,
+            relpos.relative_position_bucket(rel_TS, False, c.relpos_buckets, c.relpos_max_distance),
+        )
         y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
-        layers = _stack(DecoderLayer, c, c.num_decoder_layers, (0,) + (nn.broadcast,) * 5,
-                        deterministic, "layers")
+        layers = _stack(
+            DecoderLayer,
+            c,
+            c.num_decoder_layers,
+            (0,) + (nn.broadcast,) * 5,
+            deterministic,
+            "layers",
+        )
         y, cache = layers(y, cache, encoded, self_mask, bias_HTS, cross_mask, cache_index)
         y = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="decoder_norm")(y)
         y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
         # The output projection is untied from the embedding and runs in float32.
-        logits = Projection((c.vocab_size,), ("embed",), ("vocab",), truncated_normal_fan_in(),
-                            jnp.float32, name="logits_dense")(y)
+        logits = Projection(
+            (c.vocab_size,),
+            ("embed",),
+            ("vocab",),
+            truncated_normal_fan_in(),
+            jnp.float32,
+            name="logits_dense",
+        )(y)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab")), cache
 
 
-def _encoder_segments(attention_mask: jax.Array | None, segment_ids: jax.Array | None,
-                      positions: jax.Array | None, shape: tuple[int, ...]):
+def _encoder_segments(
+    attention_mask: jax.Array | None,
+    segment_ids: jax.Array | None,
+    positions: jax.Array | None,
+    shape: tuple[int, ...],
+):
     """(segment_ids, positions) for an unpacked batch (from the mask) or a packed one (as given)."""
     if segment_ids is None:
         mask = jnp.ones(shape, jnp.int32) if attention_mask is None else attention_mask
@@ -166,36 +226,64 @@ class LongT5(nn.Module):
         self.encoder = Encoder(self.config)
         self.decoder = Decoder(self.config)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None,
-                 decoder_input_ids: jax.Array, decoder_attention_mask: jax.Array | None = None, *,
-                 encoder_segment_ids: jax.Array | None = None,
-                 encoder_positions: jax.Array | None = None,
-                 decoder_segment_ids: jax.Array | None = None,
-                 deterministic: bool = True) -> jax.Array:
-        segment_ids, positions = _encoder_segments(attention_mask, encoder_segment_ids,
-                                                   encoder_positions, input_ids.shape)
-        encoded = self.encode(input_ids, segment_ids=segment_ids, positions=positions,
-                              deterministic=deterministic)
-        logits, _ = self.decode(encoded, segment_ids, decoder_input_ids, decoder_attention_mask,
-                                decoder_segment_ids=decoder_segment_ids,
-                                packed=encoder_segment_ids is not None,
-                                deterministic=deterministic)
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None,
+        decoder_input_ids: jax.Array,
+        decoder_attention_mask: jax.Array | None = None,
+        *,
+        encoder_segment_ids: jax.Array | None = None,
+        encoder_positions: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        segment_ids, positions = _encoder_segments(
+            attention_mask, encoder_segment_ids, encoder_positions, input_ids.shape
+        )
+        encoded = self.encode(
+            input_ids, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+        )
+        logits, _ = self.decode(
+            encoded,
+            segment_ids,
+            decoder_input_ids,
+            decoder_attention_mask,
+            decoder_segment_ids=decoder_segment_ids,
+            packed=encoder_segment_ids is not None,
+            deterministic=deterministic,
+        )
         return logits
 
-    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
+    def encode(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> jax.Array:
         """[B, L, D] encoder output (after the final norm)."""
-        segment_ids, positions = _encoder_segments(attention_mask, segment_ids, positions,
-                                                   input_ids.shape)
+        segment_ids, positions = _encoder_segments(
+            attention_mask, segment_ids, positions, input_ids.shape
+        )
         x = self.token_embedder(input_ids)
         return self.encoder(x, segment_ids, positions, deterministic)
 
-    def decode(self, encoded: jax.Array, encoder_segment_ids: jax.Array,
-               decoder_input_ids: jax.Array, decoder_attention_mask: jax.Array | None = None, *,
-               decoder_segment_ids: jax.Array | None = None, packed: bool = False,
-               cache: Cache | None = None, cache_index: jax.Array | int = 0,
-               deterministic: bool = True) -> tuple[jax.Array, Cache | None]:
+    def decode(
+        self,
+        encoded: jax.Array,
+        encoder_segment_ids: jax.Array,
+        decoder_input_ids: jax.Array,
+        decoder_attention_mask: jax.Array | None = None,
+        *,
+        decoder_segment_ids: jax.Array | None = None,
+        packed: bool = False,
+        cache: Cache | None = None,
+        cache_index: jax.Array | int = 0,
+        deterministic: bool = True,
+    ) -> tuple[jax.Array, Cache | None]:
         """Logits [B, T, V] and the updated cache (None without one).
 
         `encoder_segment_ids` is the encoder attention mask (0/1) or, with `packed`, its segment
@@ -213,13 +301,15 @@ class LongT5(nn.Module):
         if packed and decoder_segment_ids is not None:
             same = decoder_segment_ids[:, :, None] == decoder_segment_ids[:, None, :]
             self_mask = self_mask & same & (decoder_segment_ids[:, :, None] > 0)
-            cross_mask = cross_mask & (decoder_segment_ids[:, :, None] == encoder_segment_ids[:, None, :])
+            cross_mask = cross_mask & (
+                decoder_segment_ids[:, :, None] == encoder_segment_ids[:, None, :]
+            )
         y = self.token_embedder(decoder_input_ids)
         return self.decoder(y, encoded, self_mask, cross_mask, cache, cache_index, deterministic)
 
 
 def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
-    """An empty self-attention KV cache for `max_length` decoder positions (cross keys come later)."""
+    """An empty self-attention KV cache of `max_length` positions (cross keys come later)."""
     shape = (config.num_decoder_layers, batch, max_length, config.num_heads, config.d_kv)
     zeros = jnp.zeros(shape, config.compute_dtype)
     return dict(self_k=zeros, self_v=zeros)
