@@ -66,3 +66,18 @@ def test_packed_rows_equal_unpacked_examples(attention):
                 logits[r, j : j + len(y)], alone_logits[0], rtol=1e-5, atol=1e-5
             )
             i, j = i + len(x), j + len(y)
+
+
+def test_half_packed_inputs_are_refused():
+    config = LongT5Config.preset("tiny")
+    model, params = LongT5(config), random_params(config)
+    ids = np.ones((1, 8), np.int32)
+    seg, pos = np.ones((1, 8), np.int32), np.arange(8, dtype=np.int32)[None]
+    with pytest.raises(ValueError, match="need both encoder_segment_ids and decoder_segment_ids"):
+        model.apply(
+            {"params": params}, ids, None, ids, encoder_segment_ids=seg, encoder_positions=pos
+        )
+    with pytest.raises(ValueError, match="encoder_segment_ids given without encoder_positions"):
+        model.apply(
+            {"params": params}, ids, None, ids, encoder_segment_ids=seg, decoder_segment_ids=seg
+        )

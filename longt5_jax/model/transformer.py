@@ -238,6 +238,10 @@ class LongT5(nn.Module):
         decoder_segment_ids: jax.Array | None = None,
         deterministic: bool = True,
     ) -> jax.Array:
+        if (encoder_segment_ids is None) != (decoder_segment_ids is None):
+            raise ValueError(
+                "packed inputs need both encoder_segment_ids and decoder_segment_ids, or neither"
+            )
         segment_ids, positions = _encoder_segments(
             attention_mask, encoder_segment_ids, encoder_positions, input_ids.shape
         )
@@ -250,7 +254,6 @@ class LongT5(nn.Module):
             decoder_input_ids,
             decoder_attention_mask,
             decoder_segment_ids=decoder_segment_ids,
-            packed=encoder_segment_ids is not None,
             deterministic=deterministic,
         )
         return logits
@@ -279,16 +282,16 @@ class LongT5(nn.Module):
         decoder_attention_mask: jax.Array | None = None,
         *,
         decoder_segment_ids: jax.Array | None = None,
-        packed: bool = False,
         cache: Cache | None = None,
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
     ) -> tuple[jax.Array, Cache | None]:
         """Logits [B, T, V] and the updated cache (None without one).
 
-        `encoder_segment_ids` is the encoder attention mask (0/1) or, with `packed`, its segment
-        ids. With a `cache` (from `init_cache`), `decoder_input_ids` are the tokens at positions
-        cache_index .. cache_index + T - 1; a cache without cross keys gets them on this call.
+        `encoder_segment_ids` is the encoder attention mask (0/1) or, for packed rows (with
+        `decoder_segment_ids`), the encoder's segment ids. With a `cache` (from `init_cache`),
+        `decoder_input_ids` are the tokens at positions cache_index .. cache_index + T - 1; a
+        cache without cross keys gets them on this call.
         """
         t = decoder_input_ids.shape[1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
@@ -298,7 +301,7 @@ class LongT5(nn.Module):
         if decoder_attention_mask is not None and cache is None:
             self_mask = self_mask & (decoder_attention_mask[:, None, :] > 0)
         cross_mask = (encoder_segment_ids > 0)[:, None, :]
-        if packed and decoder_segment_ids is not None:
+        if decoder_segment_ids is not None:
             same = decoder_segment_ids[:, :, None] == decoder_segment_ids[:, None, :]
             self_mask = self_mask & same & (decoder_segment_ids[:, :, None] > 0)
             cross_mask = cross_mask & (
