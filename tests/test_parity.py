@@ -56,15 +56,18 @@ def _torch_forward(config, params, batch):
     return model, out
 
 
-def _loss(params, model, batch):
-    logits = model.apply(
+def _logits(params, model, batch):
+    return model.apply(
         {"params": params},
         batch.input_ids,
         batch.attention_mask,
         batch.decoder_input_ids,
         batch.decoder_attention_mask,
     )
-    per_token, _ = cross_entropy(logits, jnp.asarray(batch.labels))
+
+
+def _loss(params, model, batch):
+    per_token, _ = cross_entropy(_logits(params, model, batch), jnp.asarray(batch.labels))
     weights = batch.decoder_attention_mask
     return jnp.sum(per_token * weights) / jnp.sum(weights)
 
@@ -84,13 +87,7 @@ def test_forward_and_loss_match_transformers(attention, case):
     print(f"\n{case[0]} {attention}: encoder abs {abs_err:.2e} rel {rel_err:.2e}", end="")
     assert abs_err <= 1e-4 and rel_err <= 1e-5
 
-    logits = model.apply(
-        {"params": params},
-        batch.input_ids,
-        batch.attention_mask,
-        batch.decoder_input_ids,
-        batch.decoder_attention_mask,
-    )
+    logits = _logits(params, model, batch)
     assert logits.shape == (*batch.decoder_input_ids.shape, config.vocab_size)
     targets = batch.decoder_attention_mask.astype(bool)
     abs_err, rel_err = max_rel(logits, out.logits.detach().numpy(), targets)
