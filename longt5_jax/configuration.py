@@ -1,0 +1,100 @@
+"""Gin, T5X-style: `--gin_file` (repeatable) and `--gin.NAME=VALUE` bind a few typed dataclasses.
+
+Only the dataclasses registered here are configurable. Errors come back as one line naming the
+file or binding; values are checked against the dataclass field types.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+import gin
+
+from longt5_jax.data.pipeline import DataConfig
+from longt5_jax.model.config import LongT5Config
+
+CONFIGURABLE = {
+    cls.__name__: gin.external_configurable(cls, name=cls.__name__)
+    for cls in (LongT5Config, DataConfig)
+}
+
+
+class ConfigError(ValueError):
+    """A gin file or binding that cannot be used, in one line."""
+
+
+def split_gin_args(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """(gin files, bindings, other args) from `--gin_file=F`/`--gin_file F` and `--gin.X=Y`."""
+    files, bindings, rest = [], [], []
+    args = iter(argv)
+    for arg in args:
+        if arg.startswith("--gin_file="):
+            files.append(arg.split("=", 1)[1])
+        elif arg == "--gin_file":
+            files.append(next(args, ""))
+        elif arg.startswith("--gin."):
+            if "=" not in arg:
+                raise ConfigError(f"{arg}: expected --gin.NAME=VALUE")
+            name, value = arg[len("--gin.") :].split("=", 1)
+            bindings.append(f"{name} = {value}")
+        else:
+            rest.append(arg)
+    return files, bindings, rest
+
+
+def parse(files: Sequence[str], bindings: Sequence[str] = ()) -> None:
+    """Clear gin's state and apply `files` then `bindings`."""
+    gin.clear_config()
+    for f in files:
+        if not Path(f).is_file():
+            raise ConfigError(f"{f}: gin file not found")
+    try:
+        gin.parse_config_files_and_bindings(list(files), list(bindings))
+    except (ValueError, SyntaxError, KeyError, OSError) as e:
+        where = " ".join(line.strip() for line in str(e).splitlines()[1:])
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{first} ({where})" if where else first) from None
+
+
+def build(cls: type) -> typing.Any:
+    """An instance of a registered dataclass from the parsed bindings, each checked by type."""
+    hints = typing.get_type_hints(cls)
+    for field, value in gin.get_bindings(cls.__name__).items():
+        if field in hints and not _matches(value, hints[field]):
+            raise ConfigError(
+                f"{cls.__name__}.{field} = {value!r}: expected {_describe(hints[field])}"
+            )
+    try:
+        return CONFIGURABLE[cls.__name__]()
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+
+
+def _matches(value: typing.Any, hint: typing.Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: typing.Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    return "None" if hint is type(None) else hint.__name__
+
+
+def operative_config() -> str:
+    return gin.operative_config_str()

@@ -1,0 +1,1 @@
+"""Data: record sources, the embedded ACLSum task, tokenizers, objectives and batching."""

@@ -1,0 +1,209 @@
+"""The grain input pipeline: source -> shuffle -> per-process shard -> tokenize + objective ->
+pad or pack -> batch -> (worker processes) -> global jax.Arrays.
+
+Each process reads only its slice of every (reshuffled) epoch; the iterator's state is a small
+dict that restores exactly the same following batches in a fresh pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import grain
+import jax
+import numpy as np
+from absl import flags
+
+from longt5_jax.data import batching, objectives
+from longt5_jax.data.tokenizer import Tokenizer, train_tokenizer
+
+Objective = Literal["summarization", "span_corruption", "gap_sentences"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What to read, how to turn it into examples, and how to batch them."""
+
+    task: str = "aclsum"  # 'aclsum' (embedded) or 'files' (train_files / eval_files)
+    train_files: str = (
+        ""  # glob or comma-separated paths: .jsonl[.gz|.zst], .parquet, .array_record
+    )
+    eval_files: str = ""
+    input_field: str = "article"
+    target_field: str = "abstract"
+    skip_bad_records: int = 0
+    objective: Objective = "summarization"
+    prefix: str = ""  # LongT5 uses none
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
+    gap_sentence_ratio: float = 0.2
+    input_length: int = 4096
+    target_length: int = 512
+    batch_size: int = 8  # global, over all processes
+    pack: bool = False
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int | None = None  # None repeats forever
+    worker_count: int = 0  # grain worker processes; 0 reads in the main process
+    worker_buffer_size: int = 2
+    tokenizer: str = ""  # a SentencePiece model; '' trains one on the aclsum training split
+    tokenizer_vocab_size: int = 8000
+
+    def __post_init__(self):
+        if self.objective not in ("summarization", "span_corruption", "gap_sentences"):
+            raise ValueError(
+                f"DataConfig.objective={self.objective!r}: expected 'summarization', "
+                "'span_corruption' or 'gap_sentences'"
+            )
+        if self.task not in ("aclsum", "files"):
+            raise ValueError(f"DataConfig.task={self.task!r}: expected 'aclsum' or 'files'")
+        for name, least in (("input_length", 2), ("target_length", 2), ("batch_size", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"DataConfig.{name}={getattr(self, name)}: expected >= {least}")
+
+
+def load_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The configured SentencePiece model, or the default trained on aclsum's train split."""
+    if cfg.tokenizer:
+        return Tokenizer(cfg.tokenizer)
+    from longt5_jax.data.aclsum import aclsum_source
+
+    source = aclsum_source("train")
+    lines = (
+        line
+        for i in range(len(source))
+        for r in (source[i],)
+        for text in (r["inputs"], r["targets"])
+        for line in text.split("\n")
+        if line.strip()
+    )
+    return Tokenizer(train_tokenizer(lines, cfg.tokenizer_vocab_size, "aclsum"))
+
+
+def open_split(cfg: DataConfig, split: str):
+    """The record source of a split ('train', 'val'/'validation', 'test')."""
+    if cfg.task == "aclsum":
+        from longt5_jax.data.aclsum import aclsum_source
+
+        return aclsum_source("val" if split == "validation" else split)
+    from longt5_jax.data.sources import DataError, open_source
+
+    files = cfg.train_files if split == "train" else cfg.eval_files
+    if not files:
+        raise DataError(
+            f"DataConfig.{'train' if split == 'train' else 'eval'}_files is empty: "
+            f"task 'files' needs paths for split {split!r}"
+        )
+    paths = [p.strip() for p in files.split(",") if p.strip()]
+    return open_source(paths, cfg.input_field, cfg.target_field, cfg.skip_bad_records)
+
+
+class Preprocess(grain.transforms.RandomMap):
+    """Text record -> {'inputs', 'targets'} token ids with EOS, per the configured objective."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.prefix = tokenizer.encode(cfg.prefix) if cfg.prefix else None
+
+    def random_map(self, record: dict[str, str], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        cfg, tok = self.cfg, self.tokenizer
+        if cfg.objective == "summarization":
+            inputs, targets = objectives.summarization(
+                tok.encode(record["inputs"]), tok.encode(record["targets"]), self.prefix
+            )
+        elif cfg.objective == "span_corruption":
+            # Corrupt only what fits: sentinels shorten the inputs, so input_length is the budget.
+            document = tok.encode(record["inputs"])[: cfg.input_length - 1]
+            # Long documents need more than the 100 sentinels; like T5, the ids go on counting
+            # down into ordinary pieces (extra_id_i = vocab_size - 1 - i for every i).
+            sentinels = tok.vocab_size - 1 - np.arange(len(document) + 1, dtype=np.int32)
+            inputs, targets = objectives.span_corruption(
+                document, rng, sentinels, cfg.noise_density, cfg.mean_noise_span_length
+            )
+        else:
+            inputs, targets = objectives.gap_sentences(
+                self._sentences_within_budget(record["inputs"]),
+                rng,
+                int(tok.sentinel_ids()[0]),
+                cfg.gap_sentence_ratio,
+            )
+        return {
+            "inputs": batching.trim_with_eos(inputs, cfg.input_length),
+            "targets": batching.trim_with_eos(targets, cfg.target_length),
+        }
+
+    def _sentences_within_budget(self, text: str) -> list[np.ndarray]:
+        out, used = [], 0
+        for sentence in objectives.split_sentences(text):
+            ids = self.tokenizer.encode(sentence)
+            if out and used + len(ids) > self.cfg.input_length - 1:
+                break
+            out.append(ids)
+            used += len(ids)
+        return out
+
+
+class _Pad(grain.transforms.Map):
+    def __init__(self, cfg: DataConfig):
+        self.lengths = (cfg.input_length, cfg.target_length)
+
+    def map(self, example):
+        return batching.padded_example(example, *self.lengths)
+
+
+def make_dataset(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    split: str = "train",
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> grain.IterDataset:
+    """Batches of this process's share: `batch_size / process_count` rows of T5X features."""
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if cfg.batch_size % count:
+        raise ValueError(
+            f"DataConfig.batch_size={cfg.batch_size} does not divide over {count} processes"
+        )
+    source = open_split(cfg, split)
+    ds = grain.MapDataset.source(source)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    # Equal shares: drop the (< count) examples left over, a different few each epoch.
+    ds = ds[: len(ds) - len(ds) % count][index::count]
+    if len(ds) == 0:
+        raise ValueError(
+            f"split {split!r} has {len(source)} examples: none for process {index} of {count}"
+        )
+    ds = ds.random_map(Preprocess(cfg, tokenizer), seed=cfg.seed)
+    if cfg.num_epochs != 1:
+        ds = ds.repeat(cfg.num_epochs)  # reshuffles every epoch
+    it = ds.to_iter_dataset()
+    rows = cfg.batch_size // count
+    if cfg.pack:
+        it = grain.experimental.FirstFitPackIterDataset(
+            it,
+            length_struct={"inputs": cfg.input_length, "targets": cfg.target_length},
+            num_packing_bins=rows,
+            seed=cfg.seed,
+            shuffle_bins=False,
+        )
+    else:
+        it = it.map(_Pad(cfg))
+    it = it.batch(rows, drop_remainder=cfg.num_epochs is None).map(batching.to_features)
+    if cfg.worker_count > 0:
+        # grain's workers read absl flags; outside an absl app nobody has parsed them.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        it = it.mp_prefetch(
+            grain.multiprocessing.MultiprocessingOptions(
+                num_workers=cfg.worker_count, per_worker_buffer_size=cfg.worker_buffer_size
+            )
+        )
+    return it
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, Any]:
+    """This process's rows -> global jax.Arrays laid out by `sharding` (batch on the first axis)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
