@@ -1,1 +1,9 @@
 """Data: record sources, the embedded ACLSum task, tokenizers, objectives and batching."""
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where derived files (trained tokenizers, decompressed JSONL) are kept: $LONGT5_JAX_CACHE."""
+    return Path(os.environ.get("LONGT5_JAX_CACHE") or Path.home() / ".cache" / "longt5_jax")

@@ -32,6 +32,8 @@ import zstandard
 from array_record.python import array_record_module
 from grain.sources import ArrayRecordDataSource
 
+from longt5_jax.data import cache_dir
+
 log = logging.getLogger(__name__)
 
 Example = dict[str, str]
@@ -142,10 +144,6 @@ class _MultiFileSource:
         )
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("LONGT5_JAX_CACHE") or Path.home() / ".cache" / "longt5_jax")
-
-
 def _gunzip(path: str, out: IO[bytes]) -> None:
     with gzip.open(path) as src:
         shutil.copyfileobj(src, out, 1 << 20)
@@ -184,7 +182,7 @@ def _plain_jsonl(path: str) -> str:
         return path
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    cached = _cache_dir() / "jsonl" / f"{digest[:32]}.jsonl"
+    cached = cache_dir() / "jsonl" / f"{digest[:32]}.jsonl"
     if cached.exists():
         return str(cached)
     cached.parent.mkdir(parents=True, exist_ok=True)

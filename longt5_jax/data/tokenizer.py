@@ -17,13 +17,10 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from longt5_jax.data import cache_dir
+
 EXTRA_IDS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
-
-
-def cache_dir() -> Path:
-    """Where trained tokenizers (and other derived files) are cached; $LONGT5_JAX_CACHE wins."""
-    return Path(os.environ.get("LONGT5_JAX_CACHE", Path.home() / ".cache" / "longt5_jax"))
 
 
 class Tokenizer:

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m longt5_jax.bench <name> ...` prints a table and writes JSON."""

@@ -1,0 +1,21 @@
+"""python -m longt5_jax.bench data [options]   (see `python -m longt5_jax.bench data --help`)."""
+
+import sys
+
+from longt5_jax.bench import data
+
+BENCHMARKS = {"data": data.main}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(
+            f"usage: python -m longt5_jax.bench {{{','.join(BENCHMARKS)}}} [options]",
+            file=sys.stderr,
+        )
+        return 2
+    return BENCHMARKS[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
