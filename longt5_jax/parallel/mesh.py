@@ -1,0 +1,48 @@
+"""The device mesh: named axes data x tensor x pipeline, built from jax.devices() order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "tensor", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape and ZeRO stage; data=-1 takes whatever the other axes leave."""
+
+    data: int = -1
+    tensor: int = 1
+    pipeline: int = 1
+    zero_stage: int = 1  # 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"MeshConfig.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+        for name in ("tensor", "pipeline"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MeshConfig.{name}={getattr(self, name)}: expected >= 1")
+        if self.data == 0 or self.data < -1:
+            raise ValueError(f"MeshConfig.data={self.data}: expected >= 1, or -1 to fill")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, tensor, pipeline) for `num_devices`, or a one-line error if they do not fit."""
+        rest = self.tensor * self.pipeline
+        data = num_devices // rest if self.data == -1 else self.data
+        if data < 1 or data * rest != num_devices:
+            raise ValueError(
+                f"mesh data={self.data} x tensor={self.tensor} x pipeline={self.pipeline} "
+                f"does not match {num_devices} devices"
+            )
+        return data, self.tensor, self.pipeline
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """A mesh over `devices` (default all), data outermost so tensor groups are neighbours."""
+    devices = jax.devices() if devices is None else devices
+    shape = cfg.shape(len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)

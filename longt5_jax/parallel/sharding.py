@@ -1,0 +1,48 @@
+"""Shardings for the model's trees from their logical axis names and the rule table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from longt5_jax.parallel.rules import Use, rules
+
+
+def tree_shardings(boxed: Any, mesh: Mesh, use: Use, zero_stage: int) -> Any:
+    """NamedShardings for a tree of logically boxed leaves (e.g. abstract initialised params)."""
+    specs = nn.get_partition_spec(boxed)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules(use, zero_stage))
+
+
+def _reduced_spec(
+    shape: tuple[int, ...], param_shape: tuple[int, ...], spec: PartitionSpec
+) -> PartitionSpec:
+    """The spec of a moment that drops one dim of its parameter (factored second moments)."""
+    entries = tuple(spec) + (None,) * (len(param_shape) - len(spec))
+    if shape == param_shape:
+        return PartitionSpec(*entries)
+    if len(shape) == len(param_shape) - 1:
+        for i in reversed(range(len(param_shape))):
+            if param_shape[:i] + param_shape[i + 1 :] == shape:
+                return PartitionSpec(*(entries[:i] + entries[i + 1 :]))
+    return PartitionSpec()  # a scalar or a placeholder: replicate
+
+
+def optimizer_shardings(opt_state: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for optimizer state: every params-shaped subtree follows `param_shardings`."""
+    param_def = jax.tree.structure(params)
+
+    def one(node):
+        if jax.tree.structure(node) != param_def:
+            return NamedSharding(mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda x, p, s: NamedSharding(mesh, _reduced_spec(x.shape, p.shape, s.spec)),
+            node,
+            params,
+            param_shardings,
+        )
+
+    return jax.tree.map(one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == param_def)

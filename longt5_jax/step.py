@@ -1,0 +1,194 @@
+"""The train step as a pure function, and its sharded, jitted form.
+
+Loss: token cross-entropy plus T5X's z-loss over `decoder_loss_weights`. Gradients of
+microbatches are summed in a scan and normalised once by the whole batch's weight, so k
+microbatches equal one big batch up to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from longt5_jax.loss import cross_entropy
+from longt5_jax.model import LongT5
+from longt5_jax.parallel.rules import rules
+from longt5_jax.parallel.sharding import optimizer_shardings, tree_shardings
+
+Batch = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """How the loss is formed and accumulated."""
+
+    z_loss: float = 1e-4
+    # 'tokens': mean over target tokens; 'none': T5X's summed loss (loss_normalizing_factor=None).
+    loss_normalization: Literal["tokens", "none"] = "tokens"
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.microbatches < 1:
+            raise ValueError(f"StepConfig.microbatches={self.microbatches}: expected >= 1")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def _summed_loss(model: LongT5, params: Any, batch: Batch, z_loss: float, rng: jax.Array | None):
+    logits = model.apply(
+        {"params": params},
+        batch["encoder_input_tokens"],
+        None,
+        batch["decoder_input_tokens"],
+        encoder_segment_ids=batch["encoder_segment_ids"],
+        encoder_positions=batch["encoder_positions"],
+        decoder_segment_ids=batch["decoder_segment_ids"],
+        deterministic=rng is None,
+        rngs=None if rng is None else {"dropout": rng},
+    )
+    per_token, z_term = cross_entropy(logits, batch["decoder_target_tokens"], z_loss)
+    weights = batch["decoder_loss_weights"]
+    correct = jnp.argmax(logits, -1) == batch["decoder_target_tokens"]
+    stats = {
+        "loss_sum": jnp.sum(per_token * weights),
+        "z_loss_sum": jnp.sum(z_term * weights),
+        "weight": jnp.sum(weights),
+        "correct": jnp.sum(correct * weights),
+    }
+    return stats["loss_sum"], stats
+
+
+def loss_and_grads(
+    model: LongT5, cfg: StepConfig, params: Any, batch: Batch, rng: jax.Array | None
+) -> tuple[dict[str, jax.Array], Any]:
+    """Summed statistics and summed gradients over `cfg.microbatches` slices of the batch."""
+    grad_fn = jax.grad(lambda p, b, r: _summed_loss(model, p, b, cfg.z_loss, r), has_aux=True)
+    if cfg.microbatches == 1:
+        grads, stats = grad_fn(params, batch, rng)
+        return stats, grads
+    k = cfg.microbatches
+    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    rngs = None if rng is None else jax.random.split(rng, k)
+
+    def body(carry, xs):
+        b, r = xs
+        grads, stats = grad_fn(params, b, r)
+        return jax.tree.map(jnp.add, carry, (stats, grads)), None
+
+    zeros = jax.tree.map(
+        jnp.zeros_like,
+        jax.eval_shape(
+            grad_fn, params, jax.tree.map(lambda x: x[0], micro), None if rngs is None else rngs[0]
+        )[::-1],
+    )
+    (stats, grads), _ = jax.lax.scan(body, zeros, (micro, rngs))
+    return stats, grads
+
+
+def train_step(
+    model: LongT5,
+    cfg: StepConfig,
+    optimizer: optax.GradientTransformation,
+    grad_constraint: Callable[[Any], Any],
+    state: TrainState,
+    batch: Batch,
+    rng: jax.Array | None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter)."""
+    stats, grads = loss_and_grads(model, cfg, state.params, batch, rng)
+    scale = 1.0 / stats["weight"] if cfg.loss_normalization == "tokens" else 1.0
+    grads = grad_constraint(jax.tree.map(lambda g: g * scale, grads))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": stats["loss_sum"] * scale,
+        "z_loss": stats["z_loss_sum"] * scale,
+        "accuracy": stats["correct"] / stats["weight"],
+        "tokens": stats["weight"],
+        "grad_norm": optax.tree.norm(grads),
+    }
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+@dataclasses.dataclass
+class ShardedStep:
+    """A jitted train step and sharded initialiser for a model on a mesh under a ZeRO stage."""
+
+    model: LongT5
+    step_cfg: StepConfig
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    zero_stage: int
+
+    def __post_init__(self):
+        ids = jnp.ones((1, 1), jnp.int32)
+        self._init_params = lambda key: self.model.init(key, ids, None, ids)["params"]
+        boxed = jax.eval_shape(self._init_params, jax.random.key(0))
+        self.param_shardings = tree_shardings(boxed, self.mesh, "params", self.zero_stage)
+        self.grad_shardings = tree_shardings(boxed, self.mesh, "grads", self.zero_stage)
+        opt_layout = tree_shardings(boxed, self.mesh, "opt_state", self.zero_stage)
+        params = nn.unbox(boxed)
+        opt_state = jax.eval_shape(self.optimizer.init, params)
+        self.state_shardings = TrainState(
+            step=NamedSharding(self.mesh, PartitionSpec()),
+            params=self.param_shardings,
+            opt_state=optimizer_shardings(opt_state, params, opt_layout, self.mesh),
+        )
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+        self._step = None
+
+    def init(self, key: jax.Array) -> TrainState:
+        """Parameters and optimizer state created directly in their shards."""
+
+        def init(key):
+            params = nn.unbox(self._init_params(key))
+            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+        with self._context():
+            return jax.jit(init, out_shardings=self.state_shardings)(key)
+
+    def _context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(rules("activations", self.zero_stage)))
+        return stack
+
+    def _constrain_grads(self, grads: Any) -> Any:
+        return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+
+    def _jitted(self):
+        if self._step is None:
+            fn = functools.partial(
+                train_step, self.model, self.step_cfg, self.optimizer, self._constrain_grads
+            )
+            self._step = jax.jit(
+                fn,
+                in_shardings=(self.state_shardings, self.batch_sharding, None),
+                out_shardings=(self.state_shardings, None),
+                donate_argnums=0,
+            )
+        return self._step
+
+    def __call__(self, state: TrainState, batch: Batch, rng: jax.Array | None = None):
+        # Logical rules are read while tracing, so every trace happens inside them.
+        with self._context():
+            return self._jitted()(state, batch, rng)
+
+    def lower(self, state: TrainState, batch: Batch, rng: jax.Array | None = None):
+        with self._context():
+            return self._jitted().lower(state, batch, rng)
