@@ -6,6 +6,7 @@ file or binding; values are checked against the dataclass field types.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -15,11 +16,18 @@ import gin
 
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.model.config import LongT5Config
+from longt5_jax.optim import OptimizerConfig
+from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.run_config import RunConfig
+from longt5_jax.step import StepConfig
 
 CONFIGURABLE = {
     cls.__name__: gin.external_configurable(cls, name=cls.__name__)
-    for cls in (LongT5Config, DataConfig)
+    for cls in (LongT5Config, DataConfig, MeshConfig, OptimizerConfig, StepConfig, RunConfig)
 }
+
+
+_SEARCH_PATHS: list[str] = []
 
 
 class ConfigError(ValueError):
@@ -48,12 +56,22 @@ def split_gin_args(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]
 def parse(files: Sequence[str], bindings: Sequence[str] = ()) -> None:
     """Clear gin's state and apply `files` then `bindings`."""
     gin.clear_config()
+    # `include 'configs/...'` resolves from the checkout root as well as the working directory.
+    if not _SEARCH_PATHS:
+        _SEARCH_PATHS.append(str(Path(__file__).resolve().parents[1]))
+        gin.add_config_file_search_path(_SEARCH_PATHS[0])
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"{f}: gin file not found")
     try:
         gin.parse_config_files_and_bindings(list(files), list(bindings))
     except (ValueError, SyntaxError, KeyError, OSError) as e:
+        required = re.match(r"(\S+?)(/macro\.value)? set to `%gin\.REQUIRED`", str(e))
+        if required:
+            name = required.group(1)
+            raise ConfigError(
+                f"{name} is required: set it in a gin file or with --gin.{name}=VALUE"
+            ) from None
         where = " ".join(line.strip() for line in str(e).splitlines()[1:])
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{first} ({where})" if where else first) from None

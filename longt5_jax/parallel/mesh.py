@@ -46,3 +46,21 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     shape = cfg.shape(len(devices))
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def check_fits(
+    cfg: MeshConfig, num_devices: int, num_heads: int, d_ff: int, vocab_size: int, batch_size: int
+) -> None:
+    """One-line errors for a mesh that does not divide the devices, the model or the batch."""
+    data, tensor, _ = cfg.shape(num_devices)
+    for name, size in (
+        ("LongT5Config.num_heads", num_heads),
+        ("LongT5Config.d_ff", d_ff),
+        ("LongT5Config.vocab_size", vocab_size),
+    ):
+        if size % tensor:
+            raise ValueError(f"{name}={size} is not divisible by the tensor axis ({tensor})")
+    if batch_size % data:
+        raise ValueError(
+            f"DataConfig.batch_size={batch_size} is not divisible by the data axis ({data})"
+        )

@@ -1,0 +1,144 @@
+"""The main job: `python -m longt5_jax.train --gin_file=... [--gin.NAME=VALUE ...]`.
+
+Reads like its table of contents: configure -> devices -> data -> sharded state -> loop -> save.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def _configure(argv: list[str]):
+    from longt5_jax import configuration as conf
+
+    files, bindings, rest = conf.split_gin_args(argv)
+    unknown = [a for a in rest if a != "--print_config"]
+    if unknown:
+        raise conf.ConfigError(
+            f"unknown arguments {unknown}: expected --gin_file, --gin.NAME=VALUE or --print_config"
+        )
+    conf.parse(files, bindings)
+    built = {
+        name: conf.build(cls)
+        for name, cls in (
+            ("run", conf.RunConfig),
+            ("model", conf.LongT5Config),
+            ("data", conf.DataConfig),
+            ("mesh", conf.MeshConfig),
+            ("optim", conf.OptimizerConfig),
+            ("step", conf.StepConfig),
+        )
+    }
+    return built, "--print_config" in rest
+
+
+def _use_cpu_devices(count: int) -> None:
+    """Fake CPU devices for a machine without an accelerator; must run before jax starts."""
+    import jax
+
+    if count and jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+def train(cfg: dict) -> dict:
+    """Train per `cfg`; returns the last logged metrics."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from longt5_jax import configuration
+    from longt5_jax.data.pipeline import global_batch, load_tokenizer, make_dataset
+    from longt5_jax.metrics import MetricsWriter
+    from longt5_jax.model import LongT5, count_params
+    from longt5_jax.optim import learning_rate_at, make_optimizer
+    from longt5_jax.parallel.mesh import make_mesh
+    from longt5_jax.step import ShardedStep
+
+    run, model_cfg, data_cfg = cfg["run"], cfg["model"], cfg["data"]
+    model_dir = Path(run.model_dir)
+    tokenizer = load_tokenizer(data_cfg)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise configuration.ConfigError(
+            f"LongT5Config.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
+        )
+    mesh = make_mesh(cfg["mesh"])
+    step = ShardedStep(
+        LongT5(model_cfg), cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"].zero_stage
+    )
+    state = step.init(jax.random.key(run.seed))
+    if jax.process_index() == 0:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.gin").write_text(configuration.operative_config())
+        print(
+            f"{count_params(state.params) / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
+            f"ZeRO-{cfg['mesh'].zero_stage}, {jax.device_count()} devices",
+            flush=True,
+        )
+
+    batches = iter(make_dataset(data_cfg, tokenizer, "train"))
+    writer = MetricsWriter(model_dir, run.train_steps)
+    rng = jax.random.key(run.seed + 1) if model_cfg.dropout_rate > 0 else None
+    row = {}
+    for i in range(run.train_steps):
+        batch = global_batch(next(batches), step.batch_sharding)
+        state, metrics = step(state, batch, None if rng is None else jax.random.fold_in(rng, i))
+        if i == 0:
+            jax.block_until_ready(state.step)
+            writer.start(1)  # compilation is not throughput
+            continue
+        writer.add_tokens(
+            float(
+                np.asarray(batch["encoder_segment_ids"] > 0).sum()
+                + np.asarray(batch["decoder_segment_ids"] > 0).sum()
+            )
+        )
+        if (i + 1) % run.log_every == 0 or i + 1 == run.train_steps:
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            values["learning_rate"] = learning_rate_at(cfg["optim"], i)
+            row = writer.write(i + 1, values)
+    writer.close()
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((model_dir / "checkpoints" / str(run.train_steps)).absolute(), state)
+    checkpointer.wait_until_finished()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    from longt5_jax.configuration import ConfigError
+
+    try:
+        cfg, print_only = _configure(sys.argv[1:] if argv is None else argv)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if print_only:
+        from longt5_jax import configuration
+
+        print(configuration.operative_config() or "\n".join(f"{k}: {v}" for k, v in cfg.items()))
+        return 0
+    _use_cpu_devices(cfg["run"].cpu_devices)
+    import jax
+
+    from longt5_jax.parallel.mesh import check_fits
+
+    model = cfg["model"]
+    try:
+        check_fits(
+            cfg["mesh"],
+            jax.device_count(),
+            model.num_heads,
+            model.d_ff,
+            model.vocab_size,
+            cfg["data"].batch_size,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The training entry point: gin handling, a short real run, and the shipped gin files."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longt5_jax import configuration, train
+
+TINY_RUN = [
+    "--gin_file=configs/demo.gin",
+    "--gin.RunConfig.cpu_devices=0",  # the test process already has its 8 fake devices
+    "--gin.RunConfig.train_steps=4",
+    "--gin.RunConfig.log_every=1",
+    "--gin.DataConfig.input_length=256",
+    "--gin.DataConfig.target_length=32",
+    "--gin.DataConfig.tokenizer_vocab_size=2000",
+    "--gin.LongT5Config.vocab_size=2176",
+    "--gin.OptimizerConfig.total_steps=4",
+    "--gin.OptimizerConfig.warmup_steps=1",
+]
+
+
+def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
+    rc = train.main([*TINY_RUN, f"--gin.MODEL_DIR='{tmp_path}'"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3, 4]  # step 1 compiles and is not timed
+    for r in rows:
+        assert {"loss", "learning_rate", "grad_norm", "tokens_per_second"} <= r.keys()
+    assert "MeshConfig.zero_stage" in (tmp_path / "config.gin").read_text()
+    assert (tmp_path / "checkpoints" / "4").is_dir()
+    assert list((tmp_path / "tensorboard").iterdir())
+    assert "step      4/4  loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gin.LongT5Config.d_modle=3"], "doesn't have a parameter named 'd_modle'"),
+        ([], "MODEL_DIR is required: set it in a gin file or with --gin.MODEL_DIR=VALUE"),
+        (
+            ["--gin.MODEL_DIR='/tmp/x'", "--gin.MeshConfig.tensor=3"],
+            "mesh data=4 x tensor=3 x pipeline=1 does not match 8 devices",
+        ),
+        (
+            ["--gin.MODEL_DIR='/tmp/x'", "--gin.OptimizerConfig.learning_rate='fast'"],
+            "learning_rate = 'fast': expected float",
+        ),
+        (["--gin.MODEL_DIR='/tmp/x'", "--steps=3"], "unknown arguments"),
+    ],
+)
+def test_bad_configuration_is_one_line_naming_the_binding(args, message, capsys):
+    argv = ["--gin_file=configs/demo.gin", "--gin.RunConfig.cpu_devices=0", *args]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_print_config_shows_the_resolved_bindings(capsys):
+    assert (
+        train.main(["--gin_file=configs/demo.gin", "--gin.MODEL_DIR='/tmp/x'", "--print_config"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "ZERO_STAGE = 3" in out and "MeshConfig.zero_stage = %ZERO_STAGE" in out
+    assert "MODEL_DIR = '/tmp/x'" in out
+
+
+def _gin_files(folder):
+    return sorted(str(p) for p in Path("configs", folder).glob("*.gin"))
+
+
+@pytest.mark.parametrize("path", _gin_files("models"))
+def test_model_gin_files_build(path):
+    configuration.parse([path])
+    config = configuration.build(configuration.LongT5Config)
+    assert config.attention in path.replace("tglobal", "transient-global")
+
+
+@pytest.mark.parametrize("path", _gin_files("parallel"))
+@pytest.mark.parametrize("stage", [0, 3])
+def test_parallel_gin_files_build(path, stage):
+    configuration.parse([path], [f"ZERO_STAGE = {stage}"])
+    mesh = configuration.build(configuration.MeshConfig)
+    assert mesh.zero_stage == stage and mesh.shape(8)[0] * mesh.shape(8)[1] == 8
+
+
+@pytest.mark.parametrize("path", [*_gin_files("runs"), "configs/demo.gin"])
+def test_run_gin_files_build(path):
+    configuration.parse(
+        ["configs/models/base_tglobal.gin", "configs/parallel/dp8.gin", path],
+        ["MODEL_DIR = '/tmp/x'", "DataConfig.train_files = 'x.jsonl'"],
+    )
+    for cls in (
+        configuration.RunConfig,
+        configuration.DataConfig,
+        configuration.OptimizerConfig,
+        configuration.StepConfig,
+        configuration.LongT5Config,
+        configuration.MeshConfig,
+    ):
+        configuration.build(cls)
+
+
+@pytest.mark.slow
+def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
+    """The README's main job, in a fresh process; about 4 minutes on 2 cores."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longt5_jax.train",
+            "--gin_file=configs/demo.gin",
+            f"--gin.MODEL_DIR='{tmp_path}'",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert "8 devices" in out.stdout and (tmp_path / "checkpoints" / "60").is_dir()
