@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5
+from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import rules
 from longt5_jax.parallel.sharding import optimizer_shardings, tree_shardings
 
@@ -36,6 +37,10 @@ class StepConfig:
     # 'tokens': mean over target tokens; 'none': T5X's summed loss (loss_normalizing_factor=None).
     loss_normalization: Literal["tokens", "none"] = "tokens"
     microbatches: int = 1
+    # 'bfloat16': differentiate w.r.t. bfloat16 copies of the parameters, so the cross-device
+    # gradient reductions move half the bytes (the paper's half-precision gradient compression);
+    # accumulation and the optimizer stay float32.
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self):
         if self.microbatches < 1:
@@ -77,7 +82,14 @@ def loss_and_grads(
     model: LongT5, cfg: StepConfig, params: Any, batch: Batch, rng: jax.Array | None
 ) -> tuple[dict[str, jax.Array], Any]:
     """Summed statistics and summed gradients over `cfg.microbatches` slices of the batch."""
-    grad_fn = jax.grad(lambda p, b, r: _summed_loss(model, p, b, cfg.z_loss, r), has_aux=True)
+    raw_grad = jax.grad(lambda p, b, r: _summed_loss(model, p, b, cfg.z_loss, r), has_aux=True)
+
+    def grad_fn(p, b, r):
+        if cfg.grad_dtype == "bfloat16":
+            p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+        grads, stats = raw_grad(p, b, r)
+        return jax.tree.map(lambda g: g.astype(jnp.float32), grads), stats
+
     if cfg.microbatches == 1:
         grads, stats = grad_fn(params, batch, rng)
         return stats, grads
@@ -127,21 +139,22 @@ def train_step(
 
 @dataclasses.dataclass
 class ShardedStep:
-    """A jitted train step and sharded initialiser for a model on a mesh under a ZeRO stage."""
+    """A jitted train step and sharded initialiser for a model on a mesh, per a MeshConfig plan."""
 
     model: LongT5
     step_cfg: StepConfig
     optimizer: optax.GradientTransformation
     mesh: Mesh
-    zero_stage: int
+    plan: MeshConfig
 
     def __post_init__(self):
         ids = jnp.ones((1, 1), jnp.int32)
         self._init_params = lambda key: self.model.init(key, ids, None, ids)["params"]
         boxed = jax.eval_shape(self._init_params, jax.random.key(0))
-        self.param_shardings = tree_shardings(boxed, self.mesh, "params", self.zero_stage)
-        self.grad_shardings = tree_shardings(boxed, self.mesh, "grads", self.zero_stage)
-        opt_layout = tree_shardings(boxed, self.mesh, "opt_state", self.zero_stage)
+        zero = self.plan.zero_stage
+        self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
+        self.grad_shardings = tree_shardings(boxed, self.mesh, "grads", zero)
+        opt_layout = tree_shardings(boxed, self.mesh, "opt_state", zero)
         params = nn.unbox(boxed)
         opt_state = jax.eval_shape(self.optimizer.init, params)
         self.state_shardings = TrainState(
@@ -165,7 +178,11 @@ class ShardedStep:
     def _context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(nn.logical_axis_rules(rules("activations", self.zero_stage)))
+        stack.enter_context(
+            nn.logical_axis_rules(
+                rules("activations", self.plan.zero_stage, self.plan.sequence_sharding)
+            )
+        )
         return stack
 
     def _constrain_grads(self, grads: Any) -> Any:

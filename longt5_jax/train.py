@@ -65,7 +65,7 @@ def train(cfg: dict) -> dict:
         )
     mesh = make_mesh(cfg["mesh"])
     step = ShardedStep(
-        LongT5(model_cfg), cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"].zero_stage
+        LongT5(model_cfg), cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"]
     )
     state = step.init(jax.random.key(run.seed))
     if jax.process_index() == 0:

@@ -19,6 +19,9 @@ class MeshConfig:
     tensor: int = 1
     pipeline: int = 1
     zero_stage: int = 1  # 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded
+    # Split the [batch, length, embed] activations between sublayers over `tensor` too: for long
+    # inputs, where they dominate memory.
+    sequence_sharding: bool = False
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):

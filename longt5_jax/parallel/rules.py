@@ -19,17 +19,26 @@ Use = Literal["activations", "params", "opt_state", "grads"]
 _ZERO_FROM = {"activations": 4, "opt_state": 1, "grads": 2, "params": 3}
 
 
-def rules(use: Use, zero_stage: int) -> tuple[tuple[str, str | None], ...]:
-    """Flax logical-axis rules for one use of the tree under a ZeRO stage."""
+def rules(
+    use: Use, zero_stage: int, sequence_sharding: bool = False
+) -> tuple[tuple[str, str | None], ...]:
+    """Flax logical-axis rules for one use of the tree under a ZeRO stage.
+
+    Flax gives each mesh axis to the first rule that claims it within an array, so rows are in
+    priority order: with sequence sharding, `length` takes `tensor` only where no heads, MLP or
+    vocabulary axis did, i.e. the [batch, length, embed] activations between sublayers
+    (Megatron's sequence parallelism).
+    """
     zero = zero_stage >= _ZERO_FROM[use]
+    sequence = sequence_sharding and use == "activations"
     return (
         ("batch", "data"),  # data parallelism: each data rank holds rows of the batch
         ("heads", "tensor"),  # Megatron: attention heads split over tensor ranks
         ("mlp", "tensor"),  # Megatron: the MLP hidden dim split over tensor ranks
         ("vocab", "tensor"),  # embedding rows and logits columns split over tensor ranks
         ("embed", "data" if zero else None),  # ZeRO: weights/moments split over data ranks
+        ("length", "tensor" if sequence else None),  # sequence sharding between sublayers
         ("layers", None),  # stacked layers stay whole; the pipeline issue splits them
-        ("length", None),
         ("kv", None),
         ("relpos_buckets", None),
     )

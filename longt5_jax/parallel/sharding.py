@@ -20,15 +20,17 @@ def tree_shardings(boxed: Any, mesh: Mesh, use: Use, zero_stage: int) -> Any:
 def _reduced_spec(
     shape: tuple[int, ...], param_shape: tuple[int, ...], spec: PartitionSpec
 ) -> PartitionSpec:
-    """The spec of a moment that drops one dim of its parameter (factored second moments)."""
+    """The spec of a moment whose dims are a subsequence of its parameter's (factored moments:
+    Adafactor keeps [layers, rows] and [layers, cols] for a [layers, rows, cols] kernel)."""
     entries = tuple(spec) + (None,) * (len(param_shape) - len(spec))
-    if shape == param_shape:
-        return PartitionSpec(*entries)
-    if len(shape) == len(param_shape) - 1:
-        for i in reversed(range(len(param_shape))):
-            if param_shape[:i] + param_shape[i + 1 :] == shape:
-                return PartitionSpec(*(entries[:i] + entries[i + 1 :]))
-    return PartitionSpec()  # a scalar or a placeholder: replicate
+    kept, i = [], 0
+    for dim, entry in zip(param_shape, entries, strict=True):
+        if i < len(shape) and shape[i] == dim:
+            kept.append(entry)
+            i += 1
+    if i != len(shape) or (shape == (1,) and param_shape != (1,)):
+        return PartitionSpec()  # a scalar or a placeholder: replicate
+    return PartitionSpec(*kept)
 
 
 def optimizer_shardings(opt_state: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
