@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gin
 
+from longt5_jax.checkpoint import CheckpointConfig
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.optim import OptimizerConfig
@@ -23,7 +24,15 @@ from longt5_jax.step import StepConfig
 
 CONFIGURABLE = {
     cls.__name__: gin.external_configurable(cls, name=cls.__name__)
-    for cls in (LongT5Config, DataConfig, MeshConfig, OptimizerConfig, StepConfig, RunConfig)
+    for cls in (
+        LongT5Config,
+        DataConfig,
+        MeshConfig,
+        OptimizerConfig,
+        StepConfig,
+        RunConfig,
+        CheckpointConfig,
+    )
 }
 
 

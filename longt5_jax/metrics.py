@@ -12,7 +12,13 @@ import jax
 class MetricsWriter:
     """Writes each logged step; tokens/s and ETA come from wall time between calls."""
 
-    def __init__(self, model_dir: str | Path, total_steps: int, enabled: bool | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        total_steps: int,
+        enabled: bool | None = None,
+        resume_step: int = 0,
+    ):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.total_steps = total_steps
         self._last: tuple[int, float] | None = None
@@ -21,7 +27,15 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             Path(model_dir).mkdir(parents=True, exist_ok=True)
-            self._jsonl = (Path(model_dir) / "metrics.jsonl").open("a")
+            path = Path(model_dir) / "metrics.jsonl"
+            # A resumed run repeats the steps after its checkpoint: drop their earlier rows.
+            kept = [
+                line
+                for line in (path.read_text().splitlines() if path.exists() else [])
+                if json.loads(line)["step"] <= resume_step
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
+            self._jsonl = path.open("a")
             self._tb = SummaryWriter(str(Path(model_dir) / "tensorboard"))
 
     def start(self, step: int) -> None:

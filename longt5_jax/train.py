@@ -28,6 +28,7 @@ def _configure(argv: list[str]):
             ("mesh", conf.MeshConfig),
             ("optim", conf.OptimizerConfig),
             ("step", conf.StepConfig),
+            ("ckpt", conf.CheckpointConfig),
         )
     }
     return built, "--print_config" in rest
@@ -44,9 +45,9 @@ def _use_cpu_devices(count: int) -> None:
 def train(cfg: dict) -> dict:
     """Train per `cfg`; returns the last logged metrics."""
     import jax
-    import orbax.checkpoint as ocp
 
     from longt5_jax import configuration
+    from longt5_jax.checkpoint import Checkpoints, abstract_like
     from longt5_jax.data.pipeline import global_batch, load_tokenizer, make_dataset
     from longt5_jax.metrics import MetricsWriter
     from longt5_jax.model import LongT5, count_params
@@ -77,28 +78,34 @@ def train(cfg: dict) -> dict:
         )
 
     batches = iter(make_dataset(data_cfg, tokenizer, "train"))
-    writer = MetricsWriter(model_dir, run.train_steps)
+    checkpoints = Checkpoints(model_dir, cfg["ckpt"])
+    start = checkpoints.latest_step() or 0
+    if start:
+        state = checkpoints.restore(start, abstract_like(state), batches)
+        if jax.process_index() == 0:
+            print(f"resumed from step {start} in {model_dir / 'checkpoints'}", flush=True)
+    writer = MetricsWriter(model_dir, run.train_steps, resume_step=start)
     rng = jax.random.key(run.seed + 1) if model_cfg.dropout_rate > 0 else None
+    config_text = configuration.operative_config()
     row = {}
-    for i in range(run.train_steps):
+    for i in range(start, run.train_steps):
         local = next(batches)
         # Counted on the host copy: reading the global arrays would stall the step pipeline.
         tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
         batch = global_batch(local, step.batch_sharding)
         state, metrics = step(state, batch, None if rng is None else jax.random.fold_in(rng, i))
-        if i == 0:
+        if i == start:  # this step compiled: time the ones after it
             jax.block_until_ready(state.step)
-            writer.start(1)  # compilation is not throughput
-            continue
-        writer.add_tokens(tokens * jax.process_count())
+            writer.start(i + 1)
+        else:
+            writer.add_tokens(tokens * jax.process_count())
         if (i + 1) % run.log_every == 0 or i + 1 == run.train_steps:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             values["learning_rate"] = learning_rate_at(cfg["optim"], i)
             row = writer.write(i + 1, values)
+        checkpoints.save(i + 1, state, batches, config_text, force=i + 1 == run.train_steps)
+    checkpoints.close()
     writer.close()
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((model_dir / "checkpoints" / str(run.train_steps)).absolute(), state)
-    checkpointer.wait_until_finished()
     return row
 
 

@@ -28,13 +28,32 @@ def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
     rc = train.main([*TINY_RUN, f"--gin.MODEL_DIR='{tmp_path}'"])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 3, 4]  # step 1 compiles and is not timed
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert {"loss", "learning_rate", "grad_norm", "tokens_per_second"} <= r.keys()
     assert "MeshConfig.zero_stage" in (tmp_path / "config.gin").read_text()
     assert (tmp_path / "checkpoints" / "4").is_dir()
     assert list((tmp_path / "tensorboard").iterdir())
     assert "step      4/4  loss" in capsys.readouterr().out
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
+    """Stop after 3 steps (saved), rerun to 6: the same batches and bitwise the same losses."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = [*TINY_RUN, "--gin.CheckpointConfig.save_every=2"]
+    assert train.main([*common, "--gin.RunConfig.train_steps=6", f"--gin.MODEL_DIR='{whole}'"]) == 0
+    assert train.main([*common, "--gin.RunConfig.train_steps=3", f"--gin.MODEL_DIR='{split}'"]) == 0
+    assert train.main([*common, "--gin.RunConfig.train_steps=6", f"--gin.MODEL_DIR='{split}'"]) == 0
+
+    def losses(d):
+        return [
+            (r["step"], r["loss"], r["grad_norm"])
+            for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+        ]
+
+    assert losses(split) == losses(whole) and len(losses(whole)) == 6
+    saved = sorted(int(p.name) for p in (split / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [3, 4, 6]  # every 2 steps and the forced last one; the 3 most recent kept
 
 
 @pytest.mark.parametrize(
