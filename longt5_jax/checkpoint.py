@@ -57,18 +57,29 @@ class Checkpoints:
             force=force,
         )
 
+    def due(self, step: int) -> bool:
+        return self.manager.should_save(step)
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """The state at `step`, laid out as `abstract_state`; moves `data_iterator` there too."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iterator),
-            ),
-        )
+        where = Path(self.manager.directory) / str(step)
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=grain.checkpoint.CheckpointRestore(data_iterator),
+                ),
+            )
+        except (ValueError, TypeError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"{where}: a checkpoint of another model or optimizer, which this "
+                f"run cannot restore ({first[:300]})"
+            ) from None
         return restored["state"]
 
     def close(self) -> None:

@@ -58,11 +58,12 @@ class MetricsWriter:
         self.start(step)
         if not self.enabled:
             return row
-        eta = (self.total_steps - step) / max(row["steps_per_second"], 1e-9)
+        rate = row["steps_per_second"]
+        eta = f"{(self.total_steps - step) / rate / 60:.1f} min" if rate > 0 else "n/a"
         print(
             f"step {step:>6}/{self.total_steps}  loss {row['loss']:.4f}  "
             f"lr {row.get('learning_rate', 0):.2e}  grad_norm {row.get('grad_norm', 0):.3f}  "
-            f"{row['tokens_per_second']:,.0f} tokens/s  ETA {eta / 60:.1f} min",
+            f"{row['tokens_per_second']:,.0f} tokens/s  ETA {eta}",
             flush=True,
         )
         self._jsonl.write(json.dumps(row) + "\n")

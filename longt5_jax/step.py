@@ -41,6 +41,8 @@ class StepConfig:
     # gradient reductions move half the bytes (the paper's half-precision gradient compression);
     # accumulation and the optimizer stay float32.
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    # A NaN/Inf loss or gradient stops the run (naming the step) unless updates are skipped.
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
         if self.microbatches < 1:
@@ -127,12 +129,22 @@ def train_step(
     grads = grad_constraint(jax.tree.map(lambda g: g * scale, grads))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    loss = stats["loss_sum"] * scale
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if cfg.skip_nonfinite:  # keep the old state: one bad batch does not poison the run
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state),
+            (state.params, state.opt_state),
+        )
     metrics = {
-        "loss": stats["loss_sum"] * scale,
+        "loss": loss,
         "z_loss": stats["z_loss_sum"] * scale,
         "accuracy": stats["correct"] / stats["weight"],
         "tokens": stats["weight"],
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
+        "nonfinite": 1 - finite.astype(jnp.int32),
     }
     return TrainState(state.step + 1, params, opt_state), metrics
 

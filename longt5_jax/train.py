@@ -48,10 +48,10 @@ def train(cfg: dict) -> dict:
 
     from longt5_jax import configuration
     from longt5_jax.checkpoint import Checkpoints, abstract_like
-    from longt5_jax.data.pipeline import global_batch, load_tokenizer, make_dataset
+    from longt5_jax.data.pipeline import load_tokenizer, make_dataset
     from longt5_jax.metrics import MetricsWriter
     from longt5_jax.model import LongT5, count_params
-    from longt5_jax.optim import learning_rate_at, make_optimizer
+    from longt5_jax.optim import make_optimizer
     from longt5_jax.parallel.mesh import make_mesh
     from longt5_jax.step import ShardedStep
 
@@ -85,28 +85,82 @@ def train(cfg: dict) -> dict:
         if jax.process_index() == 0:
             print(f"resumed from step {start} in {model_dir / 'checkpoints'}", flush=True)
     writer = MetricsWriter(model_dir, run.train_steps, resume_step=start)
-    rng = jax.random.key(run.seed + 1) if model_cfg.dropout_rate > 0 else None
+    try:
+        return _loop(cfg, step, state, batches, checkpoints, writer, start)
+    finally:
+        checkpoints.close()
+        writer.close()
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf loss or gradient, with updates not set to be skipped."""
+
+
+def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> dict:
+    """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
+    import jax
+
+    from longt5_jax import configuration
+    from longt5_jax.data.pipeline import global_batch
+    from longt5_jax.optim import learning_rate_at
+
+    run, skip = cfg["run"], cfg["step"].skip_nonfinite
+    rng = jax.random.key(run.seed + 1) if cfg["model"].dropout_rate > 0 else None
     config_text = configuration.operative_config()
-    row = {}
+    terminated = _on_sigterm()
+    row, bad_steps, pending = {}, 0, []
     for i in range(start, run.train_steps):
         local = next(batches)
         # Counted on the host copy: reading the global arrays would stall the step pipeline.
         tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
         batch = global_batch(local, step.batch_sharding)
         state, metrics = step(state, batch, None if rng is None else jax.random.fold_in(rng, i))
+        # The previous step's flag is ready by now: reading it does not stall the pipeline.
+        bad_steps += _nonfinite(pending, skip)
+        pending = [(i + 1, metrics["nonfinite"])]
         if i == start:  # this step compiled: time the ones after it
             jax.block_until_ready(state.step)
             writer.start(i + 1)
         else:
             writer.add_tokens(tokens * jax.process_count())
-        if (i + 1) % run.log_every == 0 or i + 1 == run.train_steps:
+        stop = terminated()  # read once: a signal between two reads must not skip the save
+        last = i + 1 == run.train_steps or stop
+        if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             values["learning_rate"] = learning_rate_at(cfg["optim"], i)
+            values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
             row = writer.write(i + 1, values)
-        checkpoints.save(i + 1, state, batches, config_text, force=i + 1 == run.train_steps)
-    checkpoints.close()
-    writer.close()
+        if last or checkpoints.due(i + 1):
+            bad_steps += _nonfinite(pending, skip)  # never save a state that went non-finite
+            pending = []
+            checkpoints.save(i + 1, state, batches, config_text, force=True)
+        if stop:
+            print(f"SIGTERM: saved step {i + 1}; rerun the same command to resume", flush=True)
+            break
     return row
+
+
+def _nonfinite(pending: list, skip: bool) -> int:
+    """1 if the pending step went non-finite (and updates are skipped), else 0; or raise."""
+    if not pending or not int(pending[0][1]):
+        return 0
+    if not skip:
+        raise NonFiniteError(
+            f"step {pending[0][0]}: the loss or gradient is NaN/Inf; stopping "
+            "(StepConfig.skip_nonfinite = True skips such updates)"
+        )
+    return 1
+
+
+def _on_sigterm():
+    """A flag set by SIGTERM (what SLURM sends before a time limit or preemption)."""
+    import signal
+    import threading
+
+    flag = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: flag.set())
+    return flag.is_set
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,11 +1,14 @@
 """The training entry point: gin handling, a short real run, and the shipped gin files."""
 
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from longt5_jax import configuration, train
@@ -53,7 +56,60 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
 
     assert losses(split) == losses(whole) and len(losses(whole)) == 6
     saved = sorted(int(p.name) for p in (split / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved == [3, 4, 6]  # every 2 steps and the forced last one; the 3 most recent kept
+    assert saved == [4, 6]  # saves at 2, 3 (forced), 4, 6 (forced); demo.gin keeps the last 2
+
+
+def test_resume_on_another_mesh_and_refuse_another_model(tmp_path, capsys):
+    """Saved on data 4 x tensor 2 with ZeRO-3, resumed on data 8 with ZeRO-1: same losses."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = [*TINY_RUN, "--gin.RunConfig.train_steps=5"]
+    assert train.main([*common, f"--gin.MODEL_DIR='{whole}'"]) == 0
+    assert (
+        train.main([*common[:-1], "--gin.RunConfig.train_steps=3", f"--gin.MODEL_DIR='{split}'"])
+        == 0
+    )
+    dp8 = ["--gin.MeshConfig.data=8", "--gin.MeshConfig.tensor=1", "--gin.ZERO_STAGE=1"]
+    assert train.main([*common, *dp8, f"--gin.MODEL_DIR='{split}'"]) == 0
+
+    def losses(d):
+        return [r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+
+    np.testing.assert_allclose(losses(split), losses(whole), rtol=1e-5)
+    with pytest.raises(
+        ValueError, match="checkpoints/5: a checkpoint of another model or optimizer, which this"
+    ):
+        train.main(
+            [
+                *common,
+                "--gin.RunConfig.train_steps=7",
+                "--gin.LongT5Config.d_ff=64",
+                f"--gin.MODEL_DIR='{split}'",
+            ]
+        )
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_nonfinite_steps_stop_the_run_or_are_skipped(tmp_path, capsys, skip):
+    # A learning rate of 1e30 sends the parameters to Inf after the first update.
+    args = [
+        *TINY_RUN,
+        "--gin.OptimizerConfig.learning_rate=1e30",
+        f"--gin.MODEL_DIR='{tmp_path}'",
+        "--gin.OptimizerConfig.grad_clip_norm=0.0",
+        f"--gin.StepConfig.skip_nonfinite={skip}",
+    ]
+    rc = train.main(args)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    bad = [r["step"] for r in rows if not math.isfinite(r["loss"] + r["grad_norm"])]
+    assert bad and bad[0] > 1
+    if not skip:
+        assert rc == 1
+        err = capsys.readouterr().err
+        assert f"step {bad[0]}: the loss or gradient is NaN/Inf; stopping" in err
+        assert not (tmp_path / "checkpoints" / "4").exists()  # no non-finite state was saved
+        return
+    assert rc == 0 and rows[-1]["nonfinite_steps"] == len(bad)  # skipped, and the run finished
+    assert (tmp_path / "checkpoints" / "4").is_dir()
 
 
 @pytest.mark.parametrize(
@@ -146,3 +202,38 @@ def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert "8 devices" in out.stdout and (tmp_path / "checkpoints" / "60").is_dir()
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_a_rerun_resumes(tmp_path):
+    """SLURM's warning signal: finish the step, save, exit 0; the same command resumes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "longt5_jax.train",
+        *TINY_RUN[:1],
+        *TINY_RUN[2:],
+        "--gin.RunConfig.train_steps=400",
+        f"--gin.MODEL_DIR='{tmp_path}'",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    for line in proc.stdout:
+        if line.startswith("step      3/400"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.stdout.read()
+    assert proc.wait(timeout=300) == 0, out
+    saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    last = max(saved)
+    assert 3 <= last < 400 and f"SIGTERM: saved step {last};" in out
+    again = subprocess.run(
+        [*cmd[:-2], "--gin.RunConfig.train_steps=" + str(saved[0] + 2), cmd[-1]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert again.returncode == 0 and f"resumed from step {saved[0]}" in again.stdout
