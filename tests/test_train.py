@@ -59,6 +59,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
     assert saved == [4, 6]  # saves at 2, 3 (forced), 4, 6 (forced); demo.gin keeps the last 2
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh_and_refuse_another_model(tmp_path, capsys):
     """Saved on data 4 x tensor 2 with ZeRO-3, resumed on data 8 with ZeRO-1: same losses."""
     whole, split = tmp_path / "whole", tmp_path / "split"
