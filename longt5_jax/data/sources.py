@@ -121,6 +121,12 @@ class _MultiFileSource:
     _ends: list[int]  # cumulative record counts, one per file
     _open: dict[int, Any]  # per-process handles by file number; rebuilt lazily after unpickling
 
+    def _start(self, paths: Paths, input_field: str, target_field: str) -> None:
+        """The state every source shares: its files, its two fields, no handles yet."""
+        self._paths = _as_list(paths)
+        self._fields = (input_field, target_field)
+        self._open = {}
+
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
@@ -227,8 +233,7 @@ class JsonlSource(_MultiFileSource):
         target_field: str = "abstract",
         skip_bad_records: int = 0,
     ):
-        self._paths = _as_list(paths)
-        self._fields = (input_field, target_field)
+        self._start(paths, input_field, target_field)
         bad = _BadRecords(skip_bad_records)
         self._plain, self._spans = [], []
         for path in self._paths:
@@ -236,7 +241,6 @@ class JsonlSource(_MultiFileSource):
             self._plain.append(_plain_jsonl(path))
             self._spans.append(_scan_jsonl(self._plain[-1], path, self._fields, bad))
         self._ends = list(itertools.accumulate(len(s) for s in self._spans))
-        self._open = {}
 
     def __getitem__(self, index: int) -> Example:
         file, local = self._locate(index)
@@ -306,10 +310,9 @@ class ParquetSource(_MultiFileSource):
         target_field: str = "abstract",
         skip_bad_records: int = 0,
     ):
-        self._paths = _as_list(paths)
-        self._fields = (input_field, target_field)
+        self._start(paths, input_field, target_field)
         bad = _BadRecords(skip_bad_records)
-        self._open, self._rows, counts = {}, [], []
+        self._rows, counts = [], []
         for file, path in enumerate(self._paths):
             table = self._open[file] = _read_parquet(path, self._fields)
             self._rows.append(_good_rows(table, path, self._fields, bad))
@@ -343,12 +346,10 @@ class ArrayRecordSource(_MultiFileSource):
     """ArrayRecord files (from convert.py) whose records are UTF-8 JSON objects with both fields."""
 
     def __init__(self, paths: Paths, input_field: str = "article", target_field: str = "abstract"):
-        self._paths = _as_list(paths)
-        self._fields = (input_field, target_field)
+        self._start(paths, input_field, target_field)
         # Counting opens each file once here, so a missing or corrupt one is named up front.
         self._ends = list(itertools.accumulate(_count_array_records(p) for p in self._paths))
         self._records = ArrayRecordDataSource(self._paths)  # opens readers lazily, pickles cleanly
-        self._open = {}
 
     def __getitem__(self, index: int) -> Example:
         file, local = self._locate(index)
