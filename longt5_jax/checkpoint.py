@@ -2,12 +2,14 @@
 
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
 complete, so an interrupted save is never taken for a checkpoint); the run resumes from the
-latest complete one in MODEL_DIR/checkpoints.
+latest complete one in MODEL_DIR/checkpoints. A checkpoint's tree is read from its metadata
+alone, so a restore that cannot fit names every differing path before touching an array.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +17,32 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from longt5_jax.model.config import LongT5Config
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     save_every: int = 1000  # steps; the last step is always saved
     keep: int = 3  # the most recent checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0: none)
+    # A fresh run (no checkpoint in MODEL_DIR yet) takes its parameters from this checkpoint or
+    # MODEL_DIR; the optimizer and the step start anew. This is how fine-tuning starts.
+    init_from: str = ""
 
     def __post_init__(self):
         if self.save_every < 1 or self.keep < 1 or self.keep_every < 0:
             raise ValueError(f"{self}: expected save_every >= 1, keep >= 1, keep_every >= 0")
+
+
+class CheckpointError(ValueError):
+    """A path that is not a usable checkpoint, in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: str  # as saved: the partition spec and mesh, or 'single device'
 
 
 class Checkpoints:
@@ -36,6 +54,7 @@ class Checkpoints:
             max_to_keep=cfg.keep,
             keep_period=cfg.keep_every or None,
             enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,  # what a killed save left behind
         )
         self.manager = ocp.CheckpointManager(
             (Path(model_dir) / "checkpoints").absolute(),
@@ -43,16 +62,17 @@ class Checkpoints:
             item_names=("state", "data", "config"),
         )
 
-    def save(
-        self, step: int, state: Any, data_iterator: Any, config: str, force: bool = False
-    ) -> bool:
-        """Start saving `step` if it is due (or `force`); returns whether a save started."""
+    def save(self, step: int, state: Any, data_iterator: Any, config: dict, force=False) -> bool:
+        """Start saving `step` if it is due (or `force`); returns whether a save started.
+
+        `config` is the config item: {'gin': operative config text, 'model': LongT5Config dict}.
+        """
         return self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=grain.checkpoint.CheckpointSave(data_iterator),
-                config=ocp.args.JsonSave({"gin": config}),
+                config=ocp.args.JsonSave(config),
             ),
             force=force,
         )
@@ -66,6 +86,11 @@ class Checkpoints:
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """The state at `step`, laid out as `abstract_state`; moves `data_iterator` there too."""
         where = Path(self.manager.directory) / str(step)
+        saved = array_infos(where)
+        hint = ""
+        if not any(p.startswith("opt_state/") for p in saved):
+            hint = "; it holds parameters only: start from it with CheckpointConfig.init_from"
+        check_tree(where, saved, abstract_state, hint)
         try:
             restored = self.manager.restore(
                 step,
@@ -74,12 +99,8 @@ class Checkpoints:
                     data=grain.checkpoint.CheckpointRestore(data_iterator),
                 ),
             )
-        except (ValueError, TypeError, KeyError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(
-                f"{where}: a checkpoint of another model or optimizer, which this "
-                f"run cannot restore ({first[:300]})"
-            ) from None
+        except Exception as e:  # orbax passes on tensorstore's read errors as bare Exceptions
+            raise CheckpointError(f"{where}: {unreadable(e)}") from None
         return restored["state"]
 
     def close(self) -> None:
@@ -93,3 +114,175 @@ def abstract_like(state: Any) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
+
+
+def unreadable(e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"unreadable: truncated or corrupt ({first[:300]})"
+
+
+# --- Reading checkpoints from disk: the tools and `init_from` share these. ---------------------
+
+
+_TMP = "orbax-checkpoint-tmp"  # in the name of a save in progress, until orbax commits it
+
+
+def is_complete(step_dir: Path) -> bool:
+    return _TMP not in step_dir.name and (step_dir / "state").is_dir()
+
+
+def step_dirs(model_dir: str | Path) -> list[Path]:
+    """Every step directory under MODEL_DIR (or its checkpoints/), complete or not, by step."""
+    root = Path(model_dir)
+    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.split(".")[0].isdigit()]
+    return sorted(found, key=lambda p: (int(p.name.split(".")[0]), p.name))
+
+
+def resolve(path: str | Path) -> Path:
+    """The step directory CKPT names: itself, or the latest complete one of a MODEL_DIR."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_dir() and (p / "state").is_dir():
+        if not is_complete(p):
+            raise CheckpointError(f"{p}: an incomplete checkpoint (a save that did not finish)")
+        return p
+    complete = [d for d in step_dirs(p) if is_complete(d)] if p.is_dir() else []
+    if not complete:
+        raise CheckpointError(
+            f"{p}: not a checkpoint (expected a step directory holding state/, or a MODEL_DIR "
+            "with a complete checkpoint under checkpoints/)"
+        )
+    return complete[-1]
+
+
+def _sharding_text(sharding: Any) -> str:
+    spec = getattr(sharding, "partition_spec", None)
+    if spec is None:
+        return "single device"
+    mesh = " x ".join(f"{n}{s}" for n, s in zip(sharding.axis_names, sharding.shape, strict=True))
+    return f"{tuple(spec) or 'replicated'} over {mesh}"
+
+
+def _key_text(key: Any) -> str:
+    return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+
+
+def path_text(path: tuple) -> str:
+    return "/".join(_key_text(k) for k in path)
+
+
+def saved_tree(step_dir: Path, item: str = "state") -> Any:
+    """The item's tree of orbax ArrayMetadata, read from metadata files only."""
+    if not (step_dir / item).is_dir():
+        raise CheckpointError(f"{step_dir}: no '{item}' in this checkpoint")
+    _check_store(step_dir / item)
+    try:  # the handler itself: orbax's Checkpointer.metadata turns read errors into None
+        tree = ocp.PyTreeCheckpointHandler().metadata(step_dir / item)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise CheckpointError(f"{step_dir / item}: metadata {unreadable(e)}") from None
+    return getattr(tree, "tree", tree)
+
+
+def _check_store(item_dir: Path) -> None:
+    """Read every array's zarr header from the OCDBT store, one at a time.
+
+    A damaged store then fails here with one error, instead of inside orbax's concurrent
+    reads, whose other pending reads each print a traceback once its event loop has closed.
+    """
+    if not (item_dir / "manifest.ocdbt").exists():
+        return  # not an OCDBT store: orbax reads it alone
+    import tensorstore as ts
+
+    try:
+        spec = {"driver": "ocdbt", "base": f"file://{item_dir.absolute()}/"}
+        store = ts.KvStore.open(spec).result()
+        for key in store.list().result():
+            if key.endswith(b"/.zarray"):
+                json.loads(store.read(key).result().value)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{item_dir}: metadata {unreadable(e)}") from None
+
+
+def array_infos(step_dir: Path, item: str = "state") -> dict[str, ArrayInfo]:
+    """'params/encoder/.../kernel' -> shape, dtype and saved sharding, for every array."""
+    leaves = jax.tree_util.tree_flatten_with_path(saved_tree(step_dir, item))[0]
+    return {
+        path_text(path): ArrayInfo(
+            tuple(m.shape), str(m.dtype), _sharding_text(getattr(m, "sharding", None))
+        )
+        for path, m in leaves
+    }
+
+
+def _listing(names: list[str], most: int = 12) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_tree(where: Path, saved: dict[str, ArrayInfo], target: Any, hint: str = "") -> None:
+    """Raise one error naming every path in which `saved` and the `target` tree differ."""
+    leaves = jax.tree_util.tree_flatten_with_path(target)[0]
+    wanted = {path_text(p): tuple(x.shape) for p, x in leaves}
+
+    def ordered(names):  # parameters first: optimizer paths mirror them
+        return sorted(names, key=lambda k: (not k.startswith("params/"), k))
+
+    only_saved = ordered(saved.keys() - wanted.keys())
+    only_run = ordered(wanted.keys() - saved.keys())
+    shapes = [
+        f"{k} {saved[k].shape} vs {wanted[k]}"
+        for k in ordered(saved.keys() & wanted.keys())
+        if saved[k].shape != wanted[k]
+    ]
+    parts = [
+        f"{label}: {_listing(names)}"
+        for label, names in (
+            ("only in the checkpoint", only_saved),
+            ("only in this run", only_run),
+            ("shapes differ (checkpoint vs this run)", shapes),
+        )
+        if names
+    ]
+    if parts:
+        raise CheckpointError(
+            f"{where}: a checkpoint of another model or optimizer; " + "; ".join(parts) + hint
+        )
+
+
+def restore_params(path: str | Path, abstract_params: Any) -> Any:
+    """Only the parameters of the checkpoint CKPT names, laid out as `abstract_params`."""
+    step_dir = resolve(path)
+    saved = {k: v for k, v in array_infos(step_dir).items() if k.startswith("params/")}
+    check_tree(step_dir, saved, {"params": abstract_params})
+    skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_tree(step_dir))  # orbax skips these
+    item = skip | {"params": abstract_params}
+    restore_args = skip | {"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)}
+    try:
+        out = ocp.PyTreeCheckpointer().restore(
+            step_dir / "state", args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        )
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise CheckpointError(f"{step_dir}: {unreadable(e)}") from None
+    return out["params"]
+
+
+def saved_config(step_dir: Path) -> dict:
+    """The config item: {'gin': operative config text, 'model': LongT5Config fields}."""
+    path = step_dir / "config" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no readable saved config ({e})") from None
+
+
+def model_config(step_dir: Path) -> LongT5Config:
+    """The LongT5Config the checkpoint was trained with."""
+    fields = saved_config(step_dir).get("model")
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{step_dir}: the saved config has no model fields")
+    try:
+        return LongT5Config(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{step_dir}: saved model config not understood ({e})") from None

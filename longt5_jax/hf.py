@@ -115,7 +115,7 @@ def _num_layers(config: LongT5Config, path: str) -> int:
 
 def to_hf(config: LongT5Config, params: Params) -> dict[str, np.ndarray]:
     """Our parameter (or gradient) tree -> a transformers LongT5 state dict of numpy arrays."""
-    flat = flax.traverse_util.flatten_dict(_plain(params), sep="/")
+    flat = flax.traverse_util.flatten_dict(plain(params), sep="/")
     table = name_table(config)
     missing = [path for path, _, _ in table if path not in flat]
     if missing:
@@ -142,7 +142,7 @@ def from_hf(
     With `tied` (tie_word_embeddings=true), the LM head is the embedding scaled by d_model**-0.5,
     which is how transformers computes tied logits.
     """
-    shapes = _param_shapes(config)
+    shapes = param_shapes(config)
     state = dict(state)
     if tied and "lm_head.weight" not in state and "shared.weight" in state:
         state["lm_head.weight"] = np.asarray(state["shared.weight"]) * config.d_model**-0.5
@@ -186,12 +186,14 @@ def _f32(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
-def _plain(params: Params) -> Params:
+def plain(params: Params) -> Params:
+    """The bare parameter tree: unboxed, without a {"params": ...} wrapper."""
     params = nn.unbox(params)
     return params["params"] if set(params) == {"params"} else params
 
 
-def _param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
+def param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
+    """Our parameter paths ('/'-joined) and shapes for `config`, traced without arrays."""
     import jax
     import jax.numpy as jnp
 
@@ -199,7 +201,7 @@ def _param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
 
     ids = jnp.ones((1, 1), jnp.int32)
     tree = jax.eval_shape(lambda: LongT5(config).init(jax.random.key(0), ids, None, ids))
-    flat = flax.traverse_util.flatten_dict(_plain(tree), sep="/")
+    flat = flax.traverse_util.flatten_dict(plain(tree), sep="/")
     return {k: tuple(v.shape) for k, v in flat.items()}
 
 

@@ -47,7 +47,7 @@ def train(cfg: dict) -> dict:
     import jax
 
     from longt5_jax import configuration
-    from longt5_jax.checkpoint import Checkpoints, abstract_like
+    from longt5_jax.checkpoint import Checkpoints, abstract_like, resolve, restore_params
     from longt5_jax.data.pipeline import load_tokenizer, make_dataset
     from longt5_jax.metrics import MetricsWriter
     from longt5_jax.model import LongT5, count_params
@@ -69,8 +69,6 @@ def train(cfg: dict) -> dict:
     )
     state = step.init(jax.random.key(run.seed))
     if jax.process_index() == 0:
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.gin").write_text(configuration.operative_config())
         print(
             f"{count_params(state.params) / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
             f"ZeRO-{cfg['mesh'].zero_stage}, {jax.device_count()} devices",
@@ -79,17 +77,29 @@ def train(cfg: dict) -> dict:
 
     batches = iter(make_dataset(data_cfg, tokenizer, "train"))
     checkpoints = Checkpoints(model_dir, cfg["ckpt"])
-    start = checkpoints.latest_step() or 0
-    if start:
-        state = checkpoints.restore(start, abstract_like(state), batches)
-        if jax.process_index() == 0:
-            print(f"resumed from step {start} in {model_dir / 'checkpoints'}", flush=True)
-    writer = MetricsWriter(model_dir, run.train_steps, resume_step=start)
     try:
-        return _loop(cfg, step, state, batches, checkpoints, writer, start)
+        start = checkpoints.latest_step() or 0
+        if start:
+            state = checkpoints.restore(start, abstract_like(state), batches)
+            note = f"resumed from step {start} in {model_dir / 'checkpoints'}"
+        elif cfg["ckpt"].init_from:
+            source = resolve(cfg["ckpt"].init_from)
+            state = state.replace(params=restore_params(source, abstract_like(state.params)))
+            note = f"parameters from {source}; optimizer and step start anew"
+        else:
+            note = ""
+        # Only now, with the state in hand: a run that cannot start leaves MODEL_DIR as it was.
+        if jax.process_index() == 0:
+            (model_dir / "config.gin").write_text(configuration.operative_config())
+            if note:
+                print(note, flush=True)
+        writer = MetricsWriter(model_dir, run.train_steps, resume_step=start)
+        try:
+            return _loop(cfg, step, state, batches, checkpoints, writer, start)
+        finally:
+            writer.close()
     finally:
         checkpoints.close()
-        writer.close()
 
 
 class NonFiniteError(RuntimeError):
@@ -98,6 +108,8 @@ class NonFiniteError(RuntimeError):
 
 def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> dict:
     """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
+    import dataclasses
+
     import jax
 
     from longt5_jax import configuration
@@ -106,7 +118,10 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> d
 
     run, skip = cfg["run"], cfg["step"].skip_nonfinite
     rng = jax.random.key(run.seed + 1) if cfg["model"].dropout_rate > 0 else None
-    config_text = configuration.operative_config()
+    config = {
+        "gin": configuration.operative_config(),
+        "model": dataclasses.asdict(cfg["model"]),
+    }
     terminated = _on_sigterm()
     row, bad_steps, pending = {}, 0, []
     for i in range(start, run.train_steps):
@@ -133,7 +148,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> d
         if last or checkpoints.due(i + 1):
             bad_steps += _nonfinite(pending, skip)  # never save a state that went non-finite
             pending = []
-            checkpoints.save(i + 1, state, batches, config_text, force=True)
+            checkpoints.save(i + 1, state, batches, config, force=True)
         if stop:
             print(f"SIGTERM: saved step {i + 1}; rerun the same command to resume", flush=True)
             break
@@ -194,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from longt5_jax.checkpoint import CheckpointError
+
     try:
         train(cfg)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

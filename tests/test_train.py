@@ -76,17 +76,21 @@ def test_resume_on_another_mesh_and_refuse_another_model(tmp_path, capsys):
         return [r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
 
     np.testing.assert_allclose(losses(split), losses(whole), rtol=1e-5)
-    with pytest.raises(
-        ValueError, match="checkpoints/5: a checkpoint of another model or optimizer, which this"
-    ):
-        train.main(
-            [
-                *common,
-                "--gin.RunConfig.train_steps=7",
-                "--gin.LongT5Config.d_ff=64",
-                f"--gin.MODEL_DIR='{split}'",
-            ]
-        )
+    before = sorted(p.name for p in (split / "checkpoints").iterdir())
+    capsys.readouterr()
+    rc = train.main(
+        [
+            *common,
+            "--gin.RunConfig.train_steps=7",
+            "--gin.LongT5Config.d_ff=64",
+            f"--gin.MODEL_DIR='{split}'",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "checkpoints/5: a checkpoint of another model or optimizer; shapes differ" in err
+    assert "params/encoder/layers/mlp/wi_0/kernel (2, 64, 128) vs (2, 64, 64)" in err
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == before
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -169,9 +173,10 @@ def test_parallel_gin_files_build(path, stage):
 def test_run_gin_files_build(path):
     configuration.parse(
         ["configs/models/base_tglobal.gin", "configs/parallel/dp8.gin", path],
-        ["MODEL_DIR = '/tmp/x'", "DataConfig.train_files = 'x.jsonl'"],
+        ["MODEL_DIR = '/tmp/x'", "INIT_FROM = '/tmp/y'", "DataConfig.train_files = 'x.jsonl'"],
     )
     for cls in (
+        configuration.CheckpointConfig,
         configuration.RunConfig,
         configuration.DataConfig,
         configuration.OptimizerConfig,

@@ -1,0 +1,178 @@
+"""What `python -m longt5_jax.ckpt` reports, as JSON-ready values (the CLI formats them).
+
+`tree` reads metadata only. `stats`, `diff` and `verify` read one array at a time (orbax
+partial restores into host memory), so a checkpoint larger than this machine's memory and
+saved on any number of devices can still be inspected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from longt5_jax.checkpoint import (
+    CheckpointError,
+    array_infos,
+    is_complete,
+    path_text,
+    resolve,
+    saved_config,
+    saved_tree,
+    step_dirs,
+    unreadable,
+)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def ls(model_dir: str | Path) -> list[dict]:
+    """Every step directory with its size, time and whether it is complete."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory (expected a MODEL_DIR)")
+    found = step_dirs(root)
+    if not found:
+        raise CheckpointError(f"{root}: no checkpoints (expected step directories in checkpoints/)")
+    return [
+        {
+            "step": int(d.name.split(".")[0]),
+            "path": str(d),
+            "complete": is_complete(d),
+            "bytes": _size(d),
+            "time": datetime.datetime.fromtimestamp(d.stat().st_mtime).isoformat(" ", "seconds"),
+            "items": sorted(p.name for p in d.iterdir() if p.is_dir()),
+        }
+        for d in found
+    ]
+
+
+def tree(ckpt: str | Path) -> list[dict]:
+    """Path, shape, dtype and saved sharding of every array, from metadata alone."""
+    return [
+        {"path": p, "shape": list(a.shape), "dtype": a.dtype, "sharding": a.sharding}
+        for p, a in array_infos(resolve(ckpt)).items()
+    ]
+
+
+class Arrays:
+    """A checkpoint's saved arrays, each restored alone into host memory on request."""
+
+    def __init__(self, step_dir: Path):
+        self.step_dir = step_dir
+        leaves, self._treedef = jax.tree_util.tree_flatten_with_path(saved_tree(step_dir))
+        self._metadata = [m for _, m in leaves]
+        self.names = [path_text(p) for p, _ in leaves]
+
+    def read(self, name: str) -> np.ndarray:
+        i = self.names.index(name)
+
+        def only(value):  # orbax skips PLACEHOLDER leaves
+            skip = [ocp.PLACEHOLDER] * len(self.names)
+            return jax.tree_util.tree_unflatten(self._treedef, [*skip[:i], value, *skip[i + 1 :]])
+
+        args = ocp.args.PyTreeRestore(
+            item=only(self._metadata[i]),
+            restore_args=only(ocp.RestoreArgs(restore_type=np.ndarray)),
+        )
+        try:
+            out = ocp.PyTreeCheckpointer().restore(self.step_dir / "state", args=args)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            raise CheckpointError(f"{self.step_dir}: {name}: {unreadable(e)}") from None
+        return np.asarray(jax.tree.leaves(out)[i])  # the others came back as PLACEHOLDER
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        return ((name, self.read(name)) for name in self.names)
+
+
+def _stats(x: np.ndarray) -> dict:
+    v = x.astype(np.float64).ravel()
+    finite = v[np.isfinite(v)]
+    return {
+        "norm": float(np.sqrt(np.sum(finite * finite))),
+        "min": float(finite.min()) if finite.size else math.nan,
+        "max": float(finite.max()) if finite.size else math.nan,
+        "nan": int(np.isnan(v).sum()),
+        "inf": int(np.isinf(v).sum()),
+    }
+
+
+def stats(ckpt: str | Path) -> list[dict]:
+    """Per-array L2 norm, min and max (over finite values) and NaN/Inf counts."""
+    return [
+        {"path": name, "shape": list(x.shape), "dtype": str(x.dtype), **_stats(x)}
+        for name, x in Arrays(resolve(ckpt))
+    ]
+
+
+def diff(a: str | Path, b: str | Path) -> dict:
+    """Per-array max |a-b| and max |a-b| / max |b|; paths and shapes that differ."""
+    da, db = resolve(a), resolve(b)
+    ia, ib = array_infos(da), array_infos(db)
+    left, right = Arrays(da), Arrays(db)
+    common = [k for k in ia if k in ib and ia[k].shape == ib[k].shape]
+    tensors = []
+    for name in common:
+        x, y = left.read(name).astype(np.float64), right.read(name).astype(np.float64)
+        err = float(np.max(np.abs(x - y), initial=0.0))
+        scale = float(np.max(np.abs(y), initial=0.0))
+        tensors.append({"path": name, "max_abs": err, "max_rel": err / scale if scale else err})
+    return {
+        "a": str(da),
+        "b": str(db),
+        "only_in_a": sorted(ia.keys() - ib.keys()),
+        "only_in_b": sorted(ib.keys() - ia.keys()),
+        "shapes_differ": [
+            {"path": k, "a": list(ia[k].shape), "b": list(ib[k].shape)}
+            for k in sorted(ia.keys() & ib.keys())
+            if ia[k].shape != ib[k].shape
+        ],
+        "tensors": tensors,
+        "identical": len(common) == len(ia) == len(ib) and all(t["max_abs"] == 0 for t in tensors),
+    }
+
+
+def config(ckpt: str | Path) -> dict:
+    step_dir = resolve(ckpt)
+    return {"path": str(step_dir), **saved_config(step_dir)}
+
+
+def verify(ckpt: str | Path) -> dict:
+    """Read every array: complete (all items, every array readable at its shape) and finite."""
+    step_dir = resolve(ckpt)
+    problems = [
+        f"no '{item}' item" for item in ("state", "config") if not (step_dir / item).is_dir()
+    ]
+    count = size = 0
+    try:
+        infos = array_infos(step_dir)
+        saved_config(step_dir)
+        arrays = Arrays(step_dir)
+    except CheckpointError as e:
+        return {"path": str(step_dir), "arrays": 0, "bytes": 0, "problems": [str(e)], "ok": False}
+    for name in arrays.names:
+        try:
+            x = arrays.read(name)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        count, size = count + 1, size + x.nbytes
+        if tuple(x.shape) != infos[name].shape:
+            problems.append(f"{name}: shape {x.shape}, metadata says {infos[name].shape}")
+        bad = _stats(x)
+        if bad["nan"] or bad["inf"]:
+            problems.append(f"{name}: {bad['nan']} NaN and {bad['inf']} Inf values")
+    return {
+        "path": str(step_dir),
+        "arrays": count,
+        "bytes": size,
+        "problems": problems,
+        "ok": not problems,
+    }

@@ -1,0 +1,401 @@
+"""Checkpoint tools, parameters-only restore, conversions and bad checkpoints.
+
+One short training run (module fixture) makes the checkpoints most tests read.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+import transformers
+from reference import padded_batch
+from test_train import TINY_RUN
+
+from longt5_jax import train
+from longt5_jax.checkpoint import model_config, resolve
+from longt5_jax.ckpt import t5x
+from longt5_jax.ckpt.__main__ import main as ckpt
+from longt5_jax.ckpt.convert import native_params, write_native
+from longt5_jax.model import LongT5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """MODEL_DIR of a 3-step run saving every step (demo.gin keeps the last two: 2 and 3)."""
+    model_dir = tmp_path_factory.mktemp("run")
+    args = [*TINY_RUN, "--gin.RunConfig.train_steps=3", "--gin.CheckpointConfig.save_every=1"]
+    assert train.main([*args, f"--gin.MODEL_DIR='{model_dir}'"]) == 0
+    return model_dir
+
+
+def _json(capsys, *argv):
+    rc = ckpt([*map(str, argv), "--json"])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out) if out.out.strip() else None, out.err.strip()
+
+
+def _error(capsys, *argv) -> str:
+    """The one-line error of a command that must fail with exit status 2."""
+    rc = ckpt(list(map(str, argv)))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def _restore_all(step_dir: Path) -> dict:
+    """An independent reader: orbax's own restore of the whole state into numpy arrays."""
+    tree = ocp.StandardCheckpointer().metadata(step_dir / "state").item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = ocp.PyTreeCheckpointer().restore(
+        step_dir / "state", args=ocp.args.PyTreeRestore(item=tree, restore_args=restore_args)
+    )
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {
+        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): np.asarray(x)
+        for p, x in leaves
+    }
+
+
+def test_ls_lists_steps_sizes_and_completeness(run, capsys):
+    (run / "checkpoints" / "4.orbax-checkpoint-tmp").mkdir()  # what a killed save leaves
+    try:
+        rc, rows, _ = _json(capsys, "ls", run)
+        assert rc == 0
+        assert [(r["step"], r["complete"]) for r in rows] == [(2, True), (3, True), (4, False)]
+        assert all(r["bytes"] > 0 for r in rows[:2]) and rows[0]["path"].endswith("checkpoints/2")
+        assert resolve(run) == run / "checkpoints" / "3"  # the latest *complete* one
+        assert ckpt(["ls", str(run)]) == 0 and "False" in capsys.readouterr().out
+    finally:
+        (run / "checkpoints" / "4.orbax-checkpoint-tmp").rmdir()
+
+
+def test_tree_reads_metadata_only_on_any_device_count(run, tmp_path, capsys):
+    rc, rows, _ = _json(capsys, "tree", run)
+    arrays = _restore_all(run / "checkpoints" / "3")
+    assert rc == 0 and {r["path"] for r in rows} == arrays.keys()
+    for r in rows:
+        assert tuple(r["shape"]) == arrays[r["path"]].shape
+        assert r["dtype"] == str(arrays[r["path"]].dtype)
+    by_path = {r["path"]: r for r in rows}
+    kernel = by_path["params/encoder/layers/attention/query/kernel"]
+    assert kernel["sharding"] == "(None, 'data', 'tensor', None) over data4 x tensor2 x pipeline1"
+    # Without the array data (metadata only), on one device instead of the eight it was saved on.
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "checkpoints" / "3", copy)
+    for f in (copy / "state").glob("ocdbt.process_*/d/*"):  # the arrays' chunks
+        f.unlink()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "longt5_jax.ckpt", "tree", str(copy), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == rows
+    rc, report, _ = _json(capsys, "verify", copy)  # ... while reading the arrays fails
+    assert rc == 1 and not report["ok"] and "unreadable" in report["problems"][0]
+
+
+def test_stats_config_and_verify(run, capsys):
+    step3 = run / "checkpoints" / "3"
+    arrays = _restore_all(step3)
+    rc, rows, _ = _json(capsys, "stats", run)
+    assert rc == 0 and len(rows) == len(arrays)
+    for r in rows:
+        x = arrays[r["path"]].astype(np.float64)
+        np.testing.assert_allclose(
+            [r["norm"], r["min"], r["max"]], [np.linalg.norm(x), x.min(), x.max()], rtol=1e-12
+        )
+        assert r["nan"] == r["inf"] == 0
+    rc, saved, _ = _json(capsys, "config", run)
+    assert rc == 0 and "LongT5Config.d_model = 64" in saved["gin"]
+    assert saved["model"]["d_model"] == 64 and model_config(step3).vocab_size == 2176
+    assert ckpt(["config", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == saved["gin"].strip()
+    rc, report, _ = _json(capsys, "verify", run)
+    assert rc == 0 and report["ok"] and report["arrays"] == len(arrays)
+
+
+def test_diff_reports_per_tensor_differences_and_missing_paths(run, tmp_path, capsys):
+    a, b = _restore_all(run / "checkpoints" / "2"), _restore_all(run / "checkpoints" / "3")
+    rc, d, _ = _json(capsys, "diff", run / "checkpoints" / "2", run)
+    assert rc == 0 and not d["identical"] and not d["only_in_a"] and not d["only_in_b"]
+    assert {t["path"] for t in d["tensors"]} == a.keys()
+    for t in d["tensors"]:
+        x, y = a[t["path"]].astype(np.float64), b[t["path"]].astype(np.float64)
+        assert t["max_abs"] == np.max(np.abs(x - y), initial=0.0)
+    rc, same, _ = _json(capsys, "diff", run, run / "checkpoints" / "3")
+    assert rc == 0 and same["identical"] and all(t["max_abs"] == 0 for t in same["tensors"])
+    params = native_params(run / "checkpoints" / "3")
+    del params["encoder"]["side_relpos_bias"]
+    params["decoder"]["extra"] = {"scale": np.ones(3, np.float32)}
+    cfg = model_config(run / "checkpoints" / "3")
+    write_native(tmp_path / "other", cfg, params, source="test")
+    rc, d, _ = _json(capsys, "diff", run, tmp_path / "other")
+    assert "params/encoder/side_relpos_bias/rel_embedding" in d["only_in_a"]
+    assert d["only_in_b"] == ["params/decoder/extra/scale"] and not d["identical"]
+    assert {t["path"] for t in d["tensors"]} == {k for k in a if k.startswith("params/")} - {
+        "params/encoder/side_relpos_bias/rel_embedding"
+    } | {"step"}
+
+
+def test_not_a_checkpoint_incomplete_and_corrupt_give_one_line_errors(run, tmp_path, capsys):
+    assert "no such file or directory" in _error(capsys, "tree", tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    assert "empty: not a checkpoint (expected a step directory" in _error(
+        capsys, "stats", tmp_path / "empty"
+    )
+    assert "ls: not a checkpoint" not in _error(capsys, "ls", tmp_path / "empty")
+    partial = tmp_path / "7.orbax-checkpoint-tmp"
+    shutil.copytree(run / "checkpoints" / "3", partial)
+    assert "an incomplete checkpoint" in _error(capsys, "verify", partial)
+    # Truncated array files: verify names the array; metadata-only commands still work.
+    broken = tmp_path / "broken" / "checkpoints" / "3"
+    shutil.copytree(run / "checkpoints" / "3", broken)
+    for f in (broken / "state").glob("ocdbt.process_*/d/*"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    rc, report, _ = _json(capsys, "verify", broken.parent.parent)
+    assert rc == 1 and "unreadable: truncated or corrupt" in report["problems"][0]
+    assert ckpt(["verify", str(broken)]) == 1 and "PROBLEMS" in capsys.readouterr().out
+    (broken / "state" / "_METADATA").unlink()
+    assert "metadata" in _error(capsys, "tree", broken)
+
+
+def test_a_corrupt_latest_checkpoint_stops_the_run_and_keeps_everything(run, tmp_path, capsys):
+    model_dir = tmp_path / "run"
+    shutil.copytree(run, model_dir)
+    for f in (model_dir / "checkpoints" / "3" / "state").glob("ocdbt.process_*/d/*"):
+        f.write_bytes(b"not an array")
+    before = {p: p.read_bytes() for p in model_dir.rglob("*") if p.is_file()}
+    rc = train.main([*TINY_RUN, "--gin.RunConfig.train_steps=5", f"--gin.MODEL_DIR='{model_dir}'"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "checkpoints/3: unreadable: truncated or corrupt" in err
+    assert {p: p.read_bytes() for p in model_dir.rglob("*") if p.is_file()} == before
+
+
+def test_fine_tuning_starts_from_the_parameters_only(run, tmp_path, capsys):
+    """init_from: the parameters come from the checkpoint, the optimizer and step start anew."""
+    new = tmp_path / "finetune"
+    args = [*TINY_RUN, "--gin.RunConfig.train_steps=1", f"--gin.MODEL_DIR='{new}'"]
+    # The warm-up's first learning rate is 0: the saved step-1 parameters are the source's.
+    assert train.main([*args, f"--gin.CheckpointConfig.init_from='{run}'"]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters from {run / 'checkpoints' / '3'}; optimizer and step start anew" in out
+    rc, d, _ = _json(capsys, "diff", new, run)
+    params = [t for t in d["tensors"] if t["path"].startswith("params/")]
+    assert len(params) == len(jax.tree.leaves(native_params(new / "checkpoints" / "1")))
+    assert all(t["max_abs"] == 0 for t in params)
+    step = next(t for t in d["tensors"] if t["path"] == "step")
+    assert step["max_abs"] == 2  # 1 here, 3 there
+    count = next(t for t in d["tensors"] if t["path"].endswith("/count"))
+    assert count["max_abs"] == 2  # AdamW's count restarted
+
+
+def test_another_model_is_refused_naming_every_differing_path(run, tmp_path, capsys):
+    new = tmp_path / "other"
+    args = [*TINY_RUN, f"--gin.MODEL_DIR='{new}'", f"--gin.CheckpointConfig.init_from='{run}'"]
+    rc = train.main([*args, "--gin.LongT5Config.attention='local'", "--gin.LongT5Config.d_ff=64"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert (
+        "checkpoints/3: a checkpoint of another model or optimizer; only in the checkpoint: " in err
+    )
+    assert (
+        "only in the checkpoint: params/encoder/layers/attention/global_input_layer_norm/scale, "
+        "params/encoder/side_relpos_bias/rel_embedding;" in err
+    )
+    for stack in ("decoder", "encoder"):
+        assert f"params/{stack}/layers/mlp/wi_0/kernel (2, 64, 128) vs (2, 64, 64)" in err
+        assert f"params/{stack}/layers/mlp/wo/kernel (2, 128, 64) vs (2, 64, 64)" in err
+    assert not (new / "config.gin").exists() and not (new / "metrics.jsonl").exists()
+    # The reverse: a local checkpoint into a TGlobal run names what the run has and it lacks.
+    params = native_params(run / "checkpoints" / "3")
+    del params["encoder"]["side_relpos_bias"]
+    write_native(tmp_path / "local", model_config(run / "checkpoints" / "3"), params, "test")
+    args[-1] = f"--gin.CheckpointConfig.init_from='{tmp_path / 'local'}'"
+    assert train.main(args) == 2
+    assert "only in this run: params/encoder/side_relpos_bias/rel_embedding" in (
+        capsys.readouterr().err
+    )
+
+
+def _logits(config, params, batch):
+    return np.asarray(
+        LongT5(config).apply(
+            {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
+        )
+    )
+
+
+def test_native_to_hf_gives_transformers_our_logits_and_back(run, tmp_path, capsys):
+    step3 = run / "checkpoints" / "3"
+    config, params = model_config(step3), native_params(step3)
+    rc, report, _ = _json(capsys, "convert", "native-to-hf", run, tmp_path / "hf")
+    assert rc == 0 and report["output"] == str(tmp_path / "hf")
+    model = transformers.LongT5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    batch = padded_batch(config, [200, 131], [20, 9], 256, 24, seed=3)
+    with torch.no_grad():
+        theirs = model(
+            input_ids=torch.tensor(batch.input_ids).long(),
+            attention_mask=torch.tensor(batch.attention_mask),
+            decoder_input_ids=torch.tensor(batch.decoder_input_ids).long(),
+        ).logits.numpy()
+    ours = _logits(config, params, batch)
+    valid = batch.decoder_attention_mask.astype(bool)
+    np.testing.assert_allclose(
+        theirs[valid], ours[valid], rtol=1e-5, atol=1e-5 * np.abs(ours).max()
+    )
+    # ... and transformers' directory back to a native checkpoint: the same parameters.
+    rc, _, _ = _json(capsys, "convert", "hf-to-native", tmp_path / "hf", tmp_path / "back")
+    rc, d, _ = _json(capsys, "diff", run, tmp_path / "back")
+    params_diff = [t for t in d["tensors"] if t["path"].startswith("params/")]
+    assert rc == 0 and len(params_diff) == len(jax.tree.leaves(params))
+    assert all(t["max_abs"] == 0 for t in params_diff)
+    assert model_config(resolve(tmp_path / "back")) == config
+
+
+def test_t5x_to_native_gives_our_logits(run, tmp_path, capsys):
+    step3 = run / "checkpoints" / "3"
+    config, params = model_config(step3), native_params(step3)
+    t5x.save(config, params, tmp_path / "checkpoint_1000")
+    overrides = [f"--set=local_radius={config.local_radius}", "--set=global_block_size=16"]
+    argv = ["convert", "t5x-to-native", tmp_path / "checkpoint_1000", tmp_path / "native"]
+    rc, _, _ = _json(capsys, *argv, *overrides)
+    assert rc == 0
+    converted = resolve(tmp_path / "native")
+    assert model_config(converted) == config
+    batch = padded_batch(config, [250, 64], [12, 24], 256, 24, seed=4)
+    valid = batch.decoder_attention_mask.astype(bool)
+    ours, theirs = _logits(config, params, batch), _logits(config, native_params(converted), batch)
+    np.testing.assert_allclose(theirs[valid], ours[valid], rtol=1e-6, atol=1e-6)
+
+
+def test_conversions_never_overwrite_and_reject_bad_sources(run, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    for direction, src in (
+        ("native-to-hf", run),
+        ("hf-to-native", tmp_path),
+        ("t5x-to-native", tmp_path),
+    ):
+        assert "taken: already exists; choose a new output path" in _error(
+            capsys, "convert", direction, src, taken
+        )
+        assert (taken / "keep.txt").read_text() == "mine" and len(list(taken.iterdir())) == 1
+    assert "config.json: missing" in _error(
+        capsys, "convert", "hf-to-native", tmp_path, tmp_path / "out1"
+    )
+    assert "not a T5X checkpoint" in _error(
+        capsys, "convert", "t5x-to-native", tmp_path, tmp_path / "out2"
+    )
+    assert "not a checkpoint" in _error(
+        capsys, "convert", "native-to-hf", tmp_path, tmp_path / "out3"
+    )
+    assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3))
+    assert "--set applies to t5x-to-native" in _error(
+        capsys, "convert", "hf-to-native", tmp_path, tmp_path / "o", "--set", "local_radius=3"
+    )
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import grain, jax.numpy as jnp, numpy as np
+from longt5_jax.checkpoint import CheckpointConfig, Checkpoints
+saves = Checkpoints(sys.argv[1], CheckpointConfig(save_every=1))
+data = iter(grain.MapDataset.range(10).to_iter_dataset())
+w = jnp.asarray(np.random.default_rng(0).standard_normal((16, 1024, 1024), np.float32))
+saves.save(1, {"w": w}, data, {"gin": "", "model": {}})
+saves.manager.wait_until_finished()
+next(data)
+saves.save(2, {"w": w + 1}, data, {"gin": "", "model": {}})  # returns while it writes
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path, capsys):
+    import grain
+
+    from longt5_jax.checkpoint import CheckpointConfig, Checkpoints
+
+    out = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], timeout=300)
+    assert out.returncode == -9
+    rc, rows, _ = _json(capsys, "ls", tmp_path)
+    assert [(r["step"], r["complete"]) for r in rows] == [(1, True), (2, False)]
+    assert resolve(tmp_path) == tmp_path / "checkpoints" / "1"
+    saves = Checkpoints(tmp_path, CheckpointConfig(save_every=1))
+    assert saves.latest_step() == 1
+    data = iter(grain.MapDataset.range(10).to_iter_dataset())
+    target = {"w": jax.ShapeDtypeStruct((16, 1024, 1024), np.float32)}
+    w = saves.restore(1, target, data)["w"]
+    expected = np.random.default_rng(0).standard_normal((16, 1024, 1024), np.float32)
+    assert np.array_equal(np.asarray(w), expected) and next(data) == 0
+    saves.close()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]  # cleaned up
+
+
+def _train_cmd(model_dir, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "longt5_jax.train",
+        *TINY_RUN[:1],
+        *TINY_RUN[2:],  # demo.gin's 8 fake devices, in a process of its own
+        "--gin.RunConfig.train_steps=10",
+        "--gin.OptimizerConfig.total_steps=10",
+        "--gin.CheckpointConfig.save_every=3",
+        *extra,
+        f"--gin.MODEL_DIR='{model_dir}'",
+    ]
+
+
+def _rows(model_dir):
+    return [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sigkill_at_an_arbitrary_step_then_rerun_logs_the_same_losses(tmp_path):
+    """Bitwise on the same mesh; to float32 tolerance when resumed on data 8 with ZeRO-1."""
+    import random
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = subprocess.run(_train_cmd(whole), capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    at = random.randint(2, 9)
+    proc = subprocess.Popen(
+        _train_cmd(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    for line in proc.stdout:
+        if line.startswith(f"step {at:6d}/10"):
+            proc.kill()
+            break
+    assert proc.wait(timeout=300) == -9, f"not killed at step {at}"
+    other = tmp_path / "other"
+    shutil.copytree(killed, other)
+    for model_dir, extra in (
+        (killed, []),
+        (other, ["--gin.MeshConfig.data=8", "--gin.MeshConfig.tensor=1", "--gin.ZERO_STAGE=1"]),
+    ):
+        again = subprocess.run(
+            _train_cmd(model_dir, *extra), capture_output=True, text=True, env=env, timeout=600
+        )
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "resumed from step" in again.stdout or at < 3, again.stdout
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in _rows(whole)]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in _rows(killed)] == expected, at
+    assert [r["step"] for r in _rows(other)] == list(range(1, 11))
+    np.testing.assert_allclose(
+        [r["loss"] for r in _rows(other)], [r[1] for r in expected], rtol=1e-5, err_msg=str(at)
+    )
