@@ -64,9 +64,8 @@ def train(cfg: dict) -> dict:
             f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
         )
     mesh = make_mesh(cfg["mesh"])
-    step = ShardedStep(
-        LongT5(model_cfg), cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"]
-    )
+    model = LongT5(model_cfg, pipeline=cfg["mesh"].pipeline_plan())
+    step = ShardedStep(model, cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"])
     state = step.init(jax.random.key(run.seed))
     if jax.process_index() == 0:
         print(
@@ -205,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             model.d_ff,
             model.vocab_size,
             cfg["data"].batch_size,
+            (model.num_encoder_layers, model.num_decoder_layers),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

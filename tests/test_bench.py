@@ -31,3 +31,15 @@ def test_data_benchmark_writes_rows(tmp_path, monkeypatch):
     assert row["input_length"] == 256 and row["workers"] == 0
     assert row["positions_per_s"] >= row["real_tokens_per_s"] > 0
     assert row["ratio"] == row["positions_per_s"] / row["step_positions_per_s"]
+
+
+def test_pipeline_benchmark_writes_rows(tmp_path):
+    from longt5_jax.bench import pipeline
+
+    argv = ["--stages", "2", "--microbatch_factors", "1", "--repeats", "1", "--steps", "1"]
+    small = ["--batch_size", "8", "--input_length", "64", "--target_length", "8", "--layers", "2"]
+    assert pipeline.main([*argv, *small, "--d_model", "32", "--out_dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "pipeline.json").read_text())
+    (row,) = report["rows"]
+    assert (row["stages"], row["microbatches"], row["repeats"]) == (2, 2, 1)
+    assert row["theory_idle"] == 1 / 3 and row["temp_bytes"] > 0 and row["step_s"] > 0

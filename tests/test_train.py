@@ -166,7 +166,7 @@ def test_model_gin_files_build(path):
 def test_parallel_gin_files_build(path, stage):
     configuration.parse([path], [f"ZERO_STAGE = {stage}"])
     mesh = configuration.build(configuration.MeshConfig)
-    assert mesh.zero_stage == stage and mesh.shape(8)[0] * mesh.shape(8)[1] == 8
+    assert mesh.zero_stage == stage and np.prod(mesh.shape(8)) == 8
 
 
 @pytest.mark.parametrize("path", [*_gin_files("runs"), "configs/demo.gin"])

@@ -1,10 +1,10 @@
-"""python -m longt5_jax.bench data [options]   (see `python -m longt5_jax.bench data --help`)."""
+"""python -m longt5_jax.bench {data,pipeline} [options]   (each with --help)."""
 
 import sys
 
-from longt5_jax.bench import data
+from longt5_jax.bench import data, pipeline
 
-BENCHMARKS = {"data": data.main}
+BENCHMARKS = {"data": data.main, "pipeline": pipeline.main}
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ from longt5_jax.model.long_attention import (
     global_blocks,
     relative_positions_3block,
 )
+from longt5_jax.parallel import pipeline as pp
 
 EMBED = ("batch", "length", "embed")
 Cache = dict[str, jax.Array]
@@ -34,7 +35,8 @@ def _stack(
     num_layers: int,
     in_axes: tuple,
     deterministic: bool,
-    name: str,
+    name: str | None,
+    **kwargs,
 ) -> nn.Module:
     """`num_layers` copies of `layer` as one scan; parameters gain a leading 'layers' axis."""
     if config.remat != "none":
@@ -47,7 +49,40 @@ def _stack(
         length=num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
-    return scanned(config, deterministic, name=name)
+    return scanned(config, deterministic, name=name, **kwargs)
+
+
+def _pipelined(
+    parent: nn.Module,
+    stack: nn.Module,
+    layer: type[nn.Module],
+    in_axes: tuple,
+    pipeline: pp.Pipeline,
+    deterministic: bool,
+    call: Any,
+    x: jax.Array,
+    per_microbatch: Any,
+    shared: Any,
+) -> jax.Array:
+    """`stack` (already holding its [layers, ...] parameters) run as a pipeline.
+
+    `call(chunk, h, rows, shared)` applies a chunk of layers to `h` with the layer's arguments
+    rebuilt from this microbatch's `rows` and the `shared` inputs.
+    """
+    c, num_layers = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
+    k = pipeline.check(num_layers, f"{type(parent).__name__} layers")
+    chunk = _stack(layer, c, k, in_axes, deterministic, None, parent=None)
+    rng = None if deterministic else parent.make_rng("dropout")
+
+    def stage_fn(params, h, rows, shared, index, microbatch):
+        rngs = {}
+        if rng is not None:  # each chunk and microbatch draws its own dropout masks
+            rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(rng, index), microbatch)}
+        return call(
+            lambda *args: chunk.apply({"params": params}, *args, rngs=rngs)[0], h, rows, shared
+        )
+
+    return pp.run(pipeline, stage_fn, stack.variables["params"], x, EMBED, per_microbatch, shared)
 
 
 class EncoderLayer(nn.Module):
@@ -122,6 +157,7 @@ class DecoderLayer(nn.Module):
 
 class Encoder(nn.Module):
     config: LongT5Config
+    pipeline: pp.Pipeline | None = None
 
     @nn.compact
     def __call__(
@@ -140,16 +176,36 @@ class Encoder(nn.Module):
                 c.num_heads, c.relpos_buckets, name="side_relpos_bias"
             )()
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        layers = _stack(
-            EncoderLayer, c, c.num_encoder_layers, (nn.broadcast,) * 4, deterministic, "layers"
-        )
-        x, _ = layers(x, segment_ids, local_bias_HWX, blocks, side_table_HR)
+        in_axes = (nn.broadcast,) * 4
+        layers = _stack(EncoderLayer, c, c.num_encoder_layers, in_axes, deterministic, "layers")
+        if self.pipeline is None or self.is_initializing():
+            x, _ = layers(x, segment_ids, local_bias_HWX, blocks, side_table_HR)
+        else:
+
+            def call(apply, h, rows, shared):
+                return apply(h, rows[0], shared[0], rows[1], shared[1])
+
+            per_microbatch = (segment_ids, blocks)
+            shared = (local_bias_HWX, side_table_HR)
+            x = _pipelined(
+                self,
+                layers,
+                EncoderLayer,
+                in_axes,
+                self.pipeline,
+                deterministic,
+                call,
+                x,
+                per_microbatch,
+                shared,
+            )
         x = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="encoder_norm")(x)
         return nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
 
 
 class Decoder(nn.Module):
     config: LongT5Config
+    pipeline: pp.Pipeline | None = None
 
     @nn.compact
     def __call__(
@@ -171,15 +227,33 @@ class Decoder(nn.Module):
             relpos.relative_position_bucket(rel_TS, False, c.relpos_buckets, c.relpos_max_distance),
         )
         y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
-        layers = _stack(
-            DecoderLayer,
-            c,
-            c.num_decoder_layers,
-            (0,) + (nn.broadcast,) * 5,
-            deterministic,
-            "layers",
-        )
-        y, cache = layers(y, cache, encoded, self_mask, bias_HTS, cross_mask, cache_index)
+        in_axes = (0,) + (nn.broadcast,) * 5
+        layers = _stack(DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers")
+        if self.pipeline is None or cache is not None or self.is_initializing():
+            y, cache = layers(y, cache, encoded, self_mask, bias_HTS, cross_mask, cache_index)
+        else:  # training: the encoder output follows each microbatch to every stage
+
+            def call(apply, h, rows, shared):
+                return apply(h, None, rows[0], rows[1], shared[0], rows[2], shared[1])
+
+            b = y.shape[0]
+            per_microbatch = (
+                encoded,
+                jnp.broadcast_to(self_mask, (b, *self_mask.shape[1:])),
+                jnp.broadcast_to(cross_mask, (b, *cross_mask.shape[1:])),
+            )
+            y = _pipelined(
+                self,
+                layers,
+                DecoderLayer,
+                in_axes,
+                self.pipeline,
+                deterministic,
+                call,
+                y,
+                per_microbatch,
+                (bias_HTS, cache_index),
+            )
         y = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="decoder_norm")(y)
         y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
         # The output projection is untied from the embedding and runs in float32.
@@ -220,11 +294,13 @@ class LongT5(nn.Module):
     """
 
     config: LongT5Config
+    # Run the encoder and decoder stacks as pipelines over the `stage` axis (training only).
+    pipeline: pp.Pipeline | None = None
 
     def setup(self):
         self.token_embedder = Embed(self.config)
-        self.encoder = Encoder(self.config)
-        self.decoder = Decoder(self.config)
+        self.encoder = Encoder(self.config, self.pipeline)
+        self.decoder = Decoder(self.config, self.pipeline)
 
     def __call__(
         self,

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from longt5_jax.parallel.pipeline import Pipeline
+
 AXES = ("data", "tensor", "pipeline")
 
 
@@ -22,6 +24,10 @@ class MeshConfig:
     # Split the [batch, length, embed] activations between sublayers over `tensor` too: for long
     # inputs, where they dominate memory.
     sequence_sharding: bool = False
+    # With pipeline > 1: microbatches in flight (0: 2 x pipeline) and circular repeats; the
+    # idle fraction is (pipeline - 1) / (repeats x microbatches + pipeline - 1).
+    pipeline_microbatches: int = 0
+    pipeline_repeats: int = 1
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -31,6 +37,24 @@ class MeshConfig:
                 raise ValueError(f"MeshConfig.{name}={getattr(self, name)}: expected >= 1")
         if self.data == 0 or self.data < -1:
             raise ValueError(f"MeshConfig.data={self.data}: expected >= 1, or -1 to fill")
+        if self.pipeline_repeats < 1 or self.pipeline_microbatches < 0:
+            raise ValueError(
+                f"MeshConfig.pipeline_repeats={self.pipeline_repeats}, pipeline_microbatches="
+                f"{self.pipeline_microbatches}: expected repeats >= 1 and microbatches >= 0"
+            )
+        if 0 < self.pipeline_microbatches < self.pipeline:
+            raise ValueError(
+                f"MeshConfig.pipeline_microbatches={self.pipeline_microbatches} is fewer than the "
+                f"{self.pipeline} pipeline stages: each stage needs a microbatch in flight"
+            )
+
+    def pipeline_plan(self) -> Pipeline | None:
+        """The pipeline schedule, or None without a pipeline axis."""
+        if self.pipeline == 1:
+            return None
+        return Pipeline(
+            self.pipeline, self.pipeline_microbatches or 2 * self.pipeline, self.pipeline_repeats
+        )
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
         """(data, tensor, pipeline) for `num_devices`, or a one-line error if they do not fit."""
@@ -52,7 +76,13 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
 
 
 def check_fits(
-    cfg: MeshConfig, num_devices: int, num_heads: int, d_ff: int, vocab_size: int, batch_size: int
+    cfg: MeshConfig,
+    num_devices: int,
+    num_heads: int,
+    d_ff: int,
+    vocab_size: int,
+    batch_size: int,
+    num_layers: tuple[int, int] = (0, 0),
 ) -> None:
     """One-line errors for a mesh that does not divide the devices, the model or the batch."""
     data, tensor, _ = cfg.shape(num_devices)
@@ -66,4 +96,18 @@ def check_fits(
     if batch_size % data:
         raise ValueError(
             f"DataConfig.batch_size={batch_size} is not divisible by the data axis ({data})"
+        )
+    plan = cfg.pipeline_plan()
+    if plan is None:
+        return
+    for name, layers in zip(("num_encoder_layers", "num_decoder_layers"), num_layers, strict=True):
+        if layers % (plan.stages * plan.repeats):
+            raise ValueError(
+                f"LongT5Config.{name}={layers} is not divisible by MeshConfig.pipeline x "
+                f"pipeline_repeats ({plan.stages} x {plan.repeats})"
+            )
+    if batch_size % (plan.microbatches * data):
+        raise ValueError(
+            f"DataConfig.batch_size={batch_size} is not divisible by pipeline microbatches x "
+            f"data ({plan.microbatches} x {data}): each microbatch splits over the data axis"
         )

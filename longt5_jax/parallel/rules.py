@@ -1,6 +1,7 @@
 """THE table from logical axis names (what the model annotates) to mesh axes.
 
-The model names axes `batch, length, embed, heads, kv, mlp, vocab, relpos_buckets, layers`.
+The model names axes `batch, length, embed, heads, kv, mlp, vocab, relpos_buckets, layers`,
+and the pipeline `stage`.
 One table maps them for every use; ZeRO only decides, per use, whether `embed` (the d_model dim
 every weight matrix has) is split over `data`:
 
@@ -38,7 +39,10 @@ def rules(
         ("vocab", "tensor"),  # embedding rows and logits columns split over tensor ranks
         ("embed", "data" if zero else None),  # ZeRO: weights/moments split over data ranks
         ("length", "tensor" if sequence else None),  # sequence sharding between sublayers
-        ("layers", None),  # stacked layers stay whole; the pipeline issue splits them
+        # Pipeline: stage s holds layers s*L/p ... (s+1)*L/p - 1 and runs the `stage` slice of
+        # the pipelined activations (a size-1 axis, and no-op, when not pipelining).
+        ("layers", "pipeline"),
+        ("stage", "pipeline"),
         ("kv", None),
         ("relpos_buckets", None),
     )

@@ -1,0 +1,208 @@
+"""Pipeline parallelism: pipelined loss and gradients equal one device; what moves between stages.
+
+Each case compiles a pipelined forward and backward pass (about 5 s on 2 cores).
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_step import _batches, _while_bodies
+
+from longt5_jax import train
+from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.parallel.mesh import MeshConfig, check_fits, make_mesh
+from longt5_jax.parallel.pipeline import Pipeline
+from longt5_jax.parallel.rules import rules
+from longt5_jax.parallel.sharding import tree_shardings
+from longt5_jax.step import _summed_loss
+
+# (data, tensor, pipeline, microbatches, repeats, ZeRO stage)
+PLANS = {
+    "dp2_tp2_pp2": (2, 2, 2, 4, 1, 3),
+    "pp4_dp2": (2, 1, 4, 4, 1, 1),
+    "pp2_r2_dp4": (4, 1, 2, 2, 2, 1),
+}
+FAST = ("dp2_tp2_pp2", "transient-global")
+
+
+def _config(attention):
+    # Four layers per stack, so 2 stages x 2 repeats and 4 stages both divide them; a wide MLP
+    # makes the stacked weights the bulk of the bytes a stage could move.
+    return LongT5Config.preset(
+        "tiny", attention, num_encoder_layers=4, num_decoder_layers=4, d_ff=256
+    )
+
+
+def _loss_and_grads(model, params, batch):
+    grad = jax.grad(lambda p: _summed_loss(model, p, batch, 1e-4, None), has_aux=True)
+    grads, stats = grad(params)
+    return stats["loss_sum"], grads
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return _batches(1, rows=8, length=32, target_length=8)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(batch):
+    out = {}
+    for attention in ("local", "transient-global"):
+        model = LongT5(_config(attention))
+        ids = jnp.ones((1, 1), jnp.int32)
+        params = nn.unbox(model.init(jax.random.key(0), ids, None, ids))["params"]
+        with jax.set_mesh(make_mesh(MeshConfig(data=1), jax.devices()[:1])):
+            out[attention] = (
+                params,
+                jax.jit(_loss_and_grads, static_argnums=0)(model, params, batch),
+            )
+    return out
+
+
+def _pipelined(plan_name, attention, reference, batch):
+    data, tensor, stages, micro, repeats, zero = PLANS[plan_name]
+    plan = MeshConfig(
+        data=data,
+        tensor=tensor,
+        pipeline=stages,
+        zero_stage=zero,
+        pipeline_microbatches=micro,
+        pipeline_repeats=repeats,
+    )
+    mesh = make_mesh(plan)
+    model = LongT5(_config(attention), pipeline=plan.pipeline_plan())
+    params = reference[attention][0]
+    ids = jnp.ones((1, 1), jnp.int32)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, None, ids)["params"])
+    shardings = tree_shardings(boxed, mesh, "params", zero)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules("activations", zero)):
+        fn = jax.jit(lambda p, b: _loss_and_grads(model, p, b), in_shardings=(shardings, None))
+        placed = jax.device_put(params, shardings)
+        compiled = fn.lower(placed, batch).compile()
+        return compiled(placed, batch), compiled.as_text(), mesh
+
+
+@pytest.mark.parametrize("attention", ["local", "transient-global"])
+@pytest.mark.parametrize("plan_name", PLANS)
+def test_pipelined_loss_and_gradients_equal_one_device(plan_name, attention, reference, batch):
+    (loss, grads), _, _ = _pipelined(plan_name, attention, reference, batch)
+    want_loss, want_grads = reference[attention][1]
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, g), w in zip(flat, jax.tree.leaves(want_grads), strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), jax.tree_util.keystr(path)
+
+
+def _device_groups(line: str) -> list[list[int]]:
+    """Replica groups (or source-target pairs) of one HLO collective, as device ids."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        dims = [int(d) for d in iota[3].split(",")]
+        ids = np.arange(np.prod(dims)).reshape(dims)
+        if iota[4]:
+            ids = ids.transpose([int(d) for d in iota[4].split(",")])
+        return ids.reshape(int(iota[1]), int(iota[2])).tolist()
+    named = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r" \{([^}]*)\}",
+        line,
+    )
+    if named:  # devices varying only along the named axes of an [axis_0, axis_1, ...] mesh
+        axes = re.findall(r"'(\w+)'=(\d+)", named[1])
+        sizes = [int(n) for _, n in axes]
+        ids = np.arange(np.prod(sizes))
+        if named[2]:
+            ids = ids.reshape([int(d) for d in named[2].split(",")])
+            if named[3]:
+                ids = ids.transpose([int(d) for d in named[3].split(",")])
+        ids = ids.reshape(sizes)
+        inner = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in named[4]]
+        outer = [i for i in range(len(axes)) if i not in inner]
+        size = int(np.prod([sizes[i] for i in inner]))
+        return ids.transpose(outer + inner).reshape(-1, size).tolist()
+    listed = re.search(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}", line)
+    return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", listed[1])]
+
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+
+
+def _across_stages(hlo: str, op: str, mesh) -> list[tuple[str, int]]:
+    """(line, result bytes) of every `op` whose devices sit on more than one pipeline stage."""
+    stage_of = {d.id: pos[2] for pos, d in np.ndenumerate(mesh.devices)}
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(rf"= \(?(\w+)\[([\d,]*)\][^=]* {op}(-start)?\(", line)
+        if m and any(len({stage_of[i] for i in g}) > 1 for g in _device_groups(line)):
+            size = np.prod([int(d) for d in m[2].split(",") if d]) * _BYTES[m[1]]
+            found.append((line, int(size)))
+    return found
+
+
+def test_stages_pass_activations_and_never_gather_all_weights(reference, batch):
+    _, hlo, mesh = _pipelined(*FAST, reference, batch)
+    # Activations move to the next stage by collective-permute inside the pipeline loops.
+    permutes = [
+        line
+        for body in _while_bodies(hlo)
+        for line, _ in _across_stages(body, "collective-permute", mesh)
+    ]
+    assert permutes
+    # A stage holds 1/pipeline of each stack (then split over tensor and, ZeRO-3, over data);
+    # gathering the other stages' layers would move at least that much again.
+    config, (data, tensor, stages, *_) = _config(FAST[1]), PLANS[FAST[0]]
+    params = reference[FAST[1]][0]
+    stacked = sum(
+        x.nbytes
+        for stack in ("encoder", "decoder")
+        for x in jax.tree.leaves(params[stack]["layers"])
+    )
+    one_stage = stacked / (stages * tensor * data)
+    gathered = sum(size for _, size in _across_stages(hlo, "all-gather", mesh))
+    assert gathered < 0.5 * one_stage, (gathered, one_stage, config)
+
+
+def test_pipeline_settings_that_cannot_work_are_one_line_errors(capsys):
+    with pytest.raises(ValueError, match="microbatches=1 < stages=2"):
+        Pipeline(2, 1)
+    with pytest.raises(ValueError, match="pipeline_microbatches=2 is fewer than the 4"):
+        MeshConfig(pipeline=4, pipeline_microbatches=2)
+    plan = MeshConfig(data=2, pipeline=4, pipeline_repeats=2)
+    with pytest.raises(ValueError, match=r"num_encoder_layers=4 is not divisible by .* \(4 x 2\)"):
+        check_fits(plan, 8, 4, 64, 256, 32, (4, 8))
+    with pytest.raises(ValueError, match=r"batch_size=8 is not divisible by pipeline .* \(8 x 2\)"):
+        check_fits(MeshConfig(data=2, pipeline=4), 8, 4, 64, 256, 8, (4, 4))
+    assert MeshConfig(pipeline=2).pipeline_plan() == Pipeline(2, 4, 1)
+    assert MeshConfig().pipeline_plan() is None
+    # The demo's 2-layer stacks cannot be cut into 4 stages: the run says so and stops.
+    rc = train.main(
+        [
+            "--gin_file=configs/demo.gin",
+            "--gin_file=configs/parallel/pp4_dp2.gin",
+            "--gin.RunConfig.cpu_devices=0",
+            "--gin.MODEL_DIR='/tmp/never-written'",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "LongT5Config.num_encoder_layers=2 is not divisible by" in err
+
+
+@pytest.mark.slow
+def test_the_demo_trains_pipelined_with_one_flag(tmp_path):
+    """demo.gin + dp2_tp2_pp2.gin logs the losses of the unpipelined run (float32 tolerance)."""
+    import json
+
+    from test_train import TINY_RUN
+
+    runs = {}
+    for name, extra in (("plain", []), ("pp", ["--gin_file=configs/parallel/dp2_tp2_pp2.gin"])):
+        model_dir = tmp_path / name
+        args = [*TINY_RUN[:1], *extra, *TINY_RUN[1:], "--gin.RunConfig.train_steps=3"]
+        assert train.main([*args, f"--gin.MODEL_DIR='{model_dir}'"]) == 0
+        runs[name] = [json.loads(r)["loss"] for r in (model_dir / "metrics.jsonl").open()]
+    np.testing.assert_allclose(runs["pp"], runs["plain"], rtol=1e-5)
