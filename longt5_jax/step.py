@@ -192,7 +192,12 @@ class ShardedStep:
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(
             nn.logical_axis_rules(
-                rules("activations", self.plan.zero_stage, self.plan.sequence_sharding)
+                rules(
+                    "activations",
+                    self.plan.zero_stage,
+                    self.plan.sequence_sharding,
+                    pipelined=self.plan.pipeline > 1,
+                )
             )
         )
         return stack

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from longt5_jax.bench import data
 
 
@@ -33,6 +35,7 @@ def test_data_benchmark_writes_rows(tmp_path, monkeypatch):
     assert row["ratio"] == row["positions_per_s"] / row["step_positions_per_s"]
 
 
+@pytest.mark.slow
 def test_pipeline_benchmark_writes_rows(tmp_path):
     from longt5_jax.bench import pipeline
 

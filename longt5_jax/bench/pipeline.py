@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out_dir", default="bench_out")
     args = parser.parse_args(argv)
     if jax.config.jax_platforms in (None, "", "cpu"):
-        jax.config.update("jax_num_cpu_devices", 8)  # before the backend starts
+        try:  # fake CPU devices, possible only before the backend starts
+            jax.config.update("jax_num_cpu_devices", 8)
+        except RuntimeError:
+            pass  # already started (e.g. in a test process with its own devices)
     if jax.device_count() != 8:
         raise SystemExit(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
 

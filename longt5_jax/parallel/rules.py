@@ -21,7 +21,7 @@ _ZERO_FROM = {"activations": 4, "opt_state": 1, "grads": 2, "params": 3}
 
 
 def rules(
-    use: Use, zero_stage: int, sequence_sharding: bool = False
+    use: Use, zero_stage: int, sequence_sharding: bool = False, pipelined: bool = False
 ) -> tuple[tuple[str, str | None], ...]:
     """Flax logical-axis rules for one use of the tree under a ZeRO stage.
 
@@ -40,9 +40,9 @@ def rules(
         ("embed", "data" if zero else None),  # ZeRO: weights/moments split over data ranks
         ("length", "tensor" if sequence else None),  # sequence sharding between sublayers
         # Pipeline: stage s holds layers s*L/p ... (s+1)*L/p - 1 and runs the `stage` slice of
-        # the pipelined activations (a size-1 axis, and no-op, when not pipelining).
-        ("layers", "pipeline"),
-        ("stage", "pipeline"),
+        # the pipelined activations; otherwise stacked layers stay whole.
+        ("layers", "pipeline" if pipelined else None),
+        ("stage", "pipeline" if pipelined else None),
         ("kv", None),
         ("relpos_buckets", None),
     )

@@ -14,7 +14,8 @@ from longt5_jax.parallel.rules import Use, rules
 def tree_shardings(boxed: Any, mesh: Mesh, use: Use, zero_stage: int) -> Any:
     """NamedShardings for a tree of logically boxed leaves (e.g. abstract initialised params)."""
     specs = nn.get_partition_spec(boxed)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules(use, zero_stage))
+    pipelined = mesh.shape.get("pipeline", 1) > 1
+    return nn.logical_to_mesh_sharding(specs, mesh, rules(use, zero_stage, pipelined=pipelined))
 
 
 def _reduced_spec(
