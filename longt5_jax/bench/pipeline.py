@@ -12,6 +12,7 @@ Memory per device comes from the compiled executable (XLA's buffer assignment).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -86,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out_dir", default="bench_out")
     args = parser.parse_args(argv)
     if jax.config.jax_platforms in (None, "", "cpu"):
-        try:  # fake CPU devices, possible only before the backend starts
+        # Fake CPU devices, possible only before the backend starts (a test process has its own).
+        with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", 8)
-        except RuntimeError:
-            pass  # already started (e.g. in a test process with its own devices)
     if jax.device_count() != 8:
         raise SystemExit(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
 
