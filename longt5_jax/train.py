@@ -1,5 +1,8 @@
 """The main job: `python -m longt5_jax.train --gin_file=... [--gin.NAME=VALUE ...]`.
 
+Multi-process: under `srun` it joins the SLURM step by itself; elsewhere give
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (see launch/README.md).
+
 Reads like its table of contents: configure -> devices -> data -> sharded state -> loop -> save.
 """
 
@@ -110,6 +113,8 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> d
     import dataclasses
 
     import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
 
     from longt5_jax import configuration
     from longt5_jax.data.pipeline import global_batch
@@ -138,6 +143,8 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> d
         else:
             writer.add_tokens(tokens * jax.process_count())
         stop = terminated()  # read once: a signal between two reads must not skip the save
+        if jax.process_count() > 1:  # every process stops at the same step, or none does
+            stop = bool(multihost_utils.process_allgather(np.asarray(stop)).any())
         last = i + 1 == run.train_steps or stop
         if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -178,10 +185,13 @@ def _on_sigterm():
 
 
 def main(argv: list[str] | None = None) -> int:
+    from longt5_jax import distributed
     from longt5_jax.configuration import ConfigError
 
     try:
-        cfg, print_only = _configure(sys.argv[1:] if argv is None else argv)
+        flags, argv = distributed.split_flags(sys.argv[1:] if argv is None else argv)
+        processes = distributed.detect(flags)
+        cfg, print_only = _configure(argv)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(configuration.operative_config() or "\n".join(f"{k}: {v}" for k, v in cfg.items()))
         return 0
     _use_cpu_devices(cfg["run"].cpu_devices)
+    distributed.initialize(processes, cfg["run"].cpu_devices)
     import jax
 
     from longt5_jax.parallel.mesh import check_fits

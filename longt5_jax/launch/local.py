@@ -1,0 +1,123 @@
+"""Several training processes on this machine, as a multi-host run would have them.
+
+    python -m longt5_jax.launch.local --num_processes 2 --devices_per_process 4 -- \\
+        --gin_file=configs/demo.gin --gin.MODEL_DIR="'/tmp/demo2'"
+
+Each process is `python -m longt5_jax.train <arguments>` with K fake CPU devices, joined over
+127.0.0.1 (gloo collectives). Output lines carry `[i/N]`; SIGINT and SIGTERM go to every
+process; if one fails the others are stopped, and the launcher exits with the first failure's
+status (0 when all succeed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relay(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
+    for line in proc.stdout:
+        with lock:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+
+def launch(num_processes: int, devices_per_process: int, train_args: list[str], grace_s=10.0):
+    """Run the processes to the end; returns the exit status."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # our device count rules
+    env.update(JAX_PLATFORMS="cpu", LONGT5_JAX_PREFIXED="1", PYTHONUNBUFFERED="1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "longt5_jax.train",
+                *train_args,
+                f"--gin.RunConfig.cpu_devices={devices_per_process}",
+                f"--coordinator_address=127.0.0.1:{port}",
+                f"--num_processes={num_processes}",
+                f"--process_id={i}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(num_processes)
+    ]
+    lock = threading.Lock()
+    relays = [
+        threading.Thread(target=_relay, args=(p, f"[{i}/{num_processes}] ", lock), daemon=True)
+        for i, p in enumerate(procs)
+    ]
+    for t in relays:
+        t.start()
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    status = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed and not status:
+            status = failed[0].returncode
+            with lock:
+                print(
+                    f"[launcher] process {procs.index(failed[0])} exited with {status}; "
+                    "stopping the others",
+                    flush=True,
+                )
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    for t in relays:
+        t.join(timeout=5)
+    codes = [p.returncode for p in procs]
+    return status or next((c for c in codes if c), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, train_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    parser = argparse.ArgumentParser(prog="python -m longt5_jax.launch.local", description=__doc__)
+    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--devices_per_process", type=int, default=4)
+    args = parser.parse_args(ours)
+    if args.num_processes < 1 or args.devices_per_process < 1:
+        print("error: --num_processes and --devices_per_process must be >= 1", file=sys.stderr)
+        return 2
+    if not train_args:
+        print("error: no training arguments: put them after `--`", file=sys.stderr)
+        return 2
+    code = launch(args.num_processes, args.devices_per_process, train_args)
+    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Multi-process training on this machine: real processes over 127.0.0.1 against one process.
+
+(That no example is seen twice across processes within an epoch is
+`test_data_pipeline.py::test_processes_see_disjoint_examples_covering_the_epoch`.)
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_train import TINY_RUN
+
+from longt5_jax import distributed, train
+from longt5_jax.launch import local
+
+RUN = [*TINY_RUN[:1], *TINY_RUN[2:]]  # without cpu_devices: the launcher sets it per process
+FIVE = ["--gin.RunConfig.train_steps=5", "--gin.CheckpointConfig.save_every=3"]
+DP_TP = ["--gin_file=configs/parallel/dp4_tp2.gin"]  # (2 x 4 devices: data 2 x 2 processes)
+DP_TP_PP = ["--gin_file=configs/parallel/dp2_tp2_pp2.gin"]
+
+
+def test_processes_come_from_flags_or_slurm_or_neither():
+    flags, rest = distributed.split_flags(
+        ["--gin_file=x", "--coordinator_address", "h:1", "--num_processes=2", "--process_id=1"]
+    )
+    assert rest == ["--gin_file=x"]
+    assert distributed.detect(flags, {}) == distributed.Processes("h:1", 2, 1)
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "gpu[07-09,12]",
+        "SLURM_NTASKS": "32",
+        "SLURM_PROCID": "13",
+        "SLURM_LOCALID": "1",
+    }
+    assert distributed.detect({}, slurm) == distributed.Processes(
+        "gpu07:61579", 32, 13, (1,), "slurm"
+    )
+    assert distributed.detect({}, {**slurm, "SLURM_NTASKS": "1"}) is None
+    assert distributed.detect({}, {}) is None
+    assert distributed.first_host("a1,b2") == "a1" and distributed.first_host("n[3]") == "n3"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_processes=2", "--process_id=0"], "--coordinator_address missing"),
+        (["--coordinator_address=h:1", "--num_processes=2", "--process_id=2"], "process_id=2"),
+        (["--coordinator_address=h", "--num_processes=2", "--process_id=0"], "expected HOST:PORT"),
+        (["--coordinator_address=h:1", "--num_processes=two", "--process_id=0"], "integers"),
+    ],
+)
+def test_bad_distributed_flags_are_one_line_errors(argv, message, capsys):
+    assert train.main([*TINY_RUN, "--gin.MODEL_DIR='/tmp/never'", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_launcher_reports_a_failure_and_its_status(capsys):
+    code = local.launch(2, 2, ["--gin_file=configs/missing.gin"])
+    out = capsys.readouterr().out
+    assert code == 2 and "[0/2] error: configs/missing.gin: gin file not found" in out
+    assert "[1/2] error:" in out
+
+
+def _launch(model_dir, *extra, processes=2):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longt5_jax.launch.local",
+            f"--num_processes={processes}",
+            f"--devices_per_process={8 // processes}",
+            "--",
+            *RUN,
+            *FIVE,
+            *extra,
+            f"--gin.MODEL_DIR='{model_dir}'",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def _losses(model_dir):
+    return [json.loads(line)["loss"] for line in (model_dir / "metrics.jsonl").open()]
+
+
+def _latest_removed(model_dir, copy):
+    """A copy of a finished run whose latest checkpoint (5) is gone: it resumes from 3."""
+    shutil.copytree(model_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "5")
+    return copy
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_hand_checkpoints_over_like_one(tmp_path):
+    one = tmp_path / "one"
+    assert train.main([*TINY_RUN, *FIVE, *DP_TP, f"--gin.MODEL_DIR='{one}'"]) == 0
+    want = _losses(one)
+    assert len(want) == 5
+    for name, mesh in (("dp_tp", DP_TP), ("dp_tp_pp", DP_TP_PP)):
+        out = _launch(tmp_path / name, *mesh)
+        assert "[0/2] " in out and "[1/2] " in out and "8 devices" in out
+        np.testing.assert_allclose(_losses(tmp_path / name), want, rtol=1e-5, err_msg=name)
+    # Saved by two processes, resumed by one ...
+    two_to_one = _latest_removed(tmp_path / "dp_tp", tmp_path / "two_to_one")
+    assert train.main([*TINY_RUN, *FIVE, *DP_TP, f"--gin.MODEL_DIR='{two_to_one}'"]) == 0
+    np.testing.assert_allclose(_losses(two_to_one), want, rtol=1e-5)
+    # ... and saved by one, resumed by two on the pipelined mesh.
+    one_to_two = _latest_removed(one, tmp_path / "one_to_two")
+    out = _launch(one_to_two, *DP_TP_PP)
+    assert "resumed from step 3" in out
+    np.testing.assert_allclose(_losses(one_to_two), want, rtol=1e-5)
+
+
+def _fake_slurm(bin_dir: Path) -> None:
+    """`srun` that starts SLURM_NTASKS local tasks with their SLURM variables; `scontrol` that
+    records what it was asked."""
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        f"""#!{sys.executable}
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):
+    args.pop(0)
+n = int(os.environ["SLURM_NTASKS"])
+tasks = [
+    subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}})
+    for i in range(n)
+]
+codes = [t.wait() for t in tasks]
+sys.exit(next((c for c in codes if c), 0))
+"""
+    )
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {bin_dir / "scontrol.log"}\n')
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+
+
+@pytest.mark.slow
+def test_the_sbatch_script_trains_through_srun(tmp_path):
+    _fake_slurm(tmp_path / "bin")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(
+        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        JAX_PLATFORMS="cpu",
+        PYTHON=sys.executable,
+        SLURM_JOB_ID=str(700 + os.getpid() % 200),
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_NTASKS="2",
+        MODEL_DIR=str(tmp_path / "run"),
+        GIN_FILE="configs/demo.gin",
+        GIN_ARGS=" ".join(a for a in RUN if a != "--gin_file=configs/demo.gin"),
+        EXTRA_ARGS="--gin.RunConfig.train_steps=3 --gin.RunConfig.cpu_devices=4",
+    )
+    out = subprocess.run(
+        ["bash", "launch/slurm/train.sbatch"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # Two tasks made one 8-device run; only process 0 reports, its lines marked as its own.
+    assert "[0/2] step      3/3" in out.stdout and "8 devices" in out.stdout
+    assert [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").open()] == [1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+    assert not (tmp_path / "bin" / "scontrol.log").exists()  # finished: no requeue
+
+
+@pytest.mark.slow
+def test_a_dead_process_stops_the_other_within_a_minute(tmp_path):
+    port = local.free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu")
+    logs = [tmp_path / f"{i}.log" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "longt5_jax.train",
+                *RUN,
+                "--gin.RunConfig.train_steps=1000",
+                "--gin.RunConfig.cpu_devices=4",
+                f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ],
+            stdout=logs[i].open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 300
+    while "step      3/1000" not in logs[0].read_text():
+        assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = procs[0].wait(timeout=120)
+    waited = time.monotonic() - killed
+    assert code != 0 and waited < 60, (code, waited, logs[0].read_text()[-2000:])
