@@ -210,3 +210,18 @@ def test_the_demo_trains_pipelined_with_one_flag(tmp_path):
         assert train.main([*args, f"--gin.MODEL_DIR='{model_dir}'"]) == 0
         runs[name] = [json.loads(r)["loss"] for r in (model_dir / "metrics.jsonl").open()]
     np.testing.assert_allclose(runs["pp"], runs["plain"], rtol=1e-5)
+
+
+def test_dropout_runs_through_the_stages():
+    """Fine-tuning uses dropout: each chunk and microbatch draws masks; no-dropout is exact."""
+    config = LongT5Config.preset("tiny", "transient-global", dropout_rate=0.1)
+    ids, dec = jnp.ones((4, 16), jnp.int32), jnp.ones((4, 4), jnp.int32)
+    model = LongT5(config, pipeline=Pipeline(2, 2))
+    variables = model.init(jax.random.key(0), ids, None, dec)
+    noisy = model.apply(
+        variables, ids, None, dec, deterministic=False, rngs={"dropout": jax.random.key(1)}
+    )
+    exact = model.apply(variables, ids, None, dec)
+    plain = LongT5(config).apply(variables, ids, None, dec)
+    assert np.isfinite(noisy).all() and np.abs(noisy - exact).max() > 1e-3
+    np.testing.assert_allclose(exact, plain, rtol=1e-5, atol=1e-6)
