@@ -156,12 +156,18 @@ def is_complete(step_dir: Path) -> bool:
     return _TMP not in step_dir.name and (step_dir / "state").is_dir()
 
 
+def step_of(step_dir: Path) -> int | None:
+    """The step a directory holds ('12', or '12.orbax-checkpoint-tmp' mid-save), or None."""
+    head = step_dir.name.split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
 def step_dirs(model_dir: str | Path) -> list[Path]:
     """Every step directory under MODEL_DIR (or its checkpoints/), complete or not, by step."""
     root = Path(model_dir)
     root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.split(".")[0].isdigit()]
-    return sorted(found, key=lambda p: (int(p.name.split(".")[0]), p.name))
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=lambda p: (step_of(p), p.name))
 
 
 def resolve(path: str | Path) -> Path:
@@ -230,9 +236,11 @@ def _check_store(item_dir: Path) -> None:
         raise CheckpointError(f"{item_dir}: metadata {unreadable(e)}") from None
 
 
-def array_infos(step_dir: Path, item: str = "state") -> dict[str, ArrayInfo]:
-    """'params/encoder/.../kernel' -> shape, dtype and saved sharding, for every array."""
-    leaves = jax.tree_util.tree_flatten_with_path(saved_tree(step_dir, item))[0]
+def array_infos(step_dir: Path, item: str = "state", tree: Any = None) -> dict[str, ArrayInfo]:
+    """'params/encoder/.../kernel' -> shape, dtype and saved sharding, for every array
+    (of `tree`, the item's `saved_tree`, when already read)."""
+    tree = saved_tree(step_dir, item) if tree is None else tree
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {
         path_text(path): ArrayInfo(
             tuple(m.shape), str(m.dtype), _sharding_text(getattr(m, "sharding", None))
@@ -279,9 +287,10 @@ def check_tree(where: Path, saved: dict[str, ArrayInfo], target: Any, hint: str 
 def restore_params(path: str | Path, abstract_params: Any) -> Any:
     """Only the parameters of the checkpoint CKPT names, laid out as `abstract_params`."""
     step_dir = resolve(path)
-    saved = {k: v for k, v in array_infos(step_dir).items() if k.startswith("params/")}
+    tree = saved_tree(step_dir)
+    saved = {k: v for k, v in array_infos(step_dir, tree=tree).items() if k.startswith("params/")}
     check_tree(step_dir, saved, {"params": abstract_params})
-    skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_tree(step_dir))  # orbax skips these
+    skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)  # orbax skips these
     item = skip | {"params": abstract_params}
     restore_args = skip | {"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)}
     try:

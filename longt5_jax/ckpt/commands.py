@@ -25,6 +25,7 @@ from longt5_jax.checkpoint import (
     saved_config,
     saved_tree,
     step_dirs,
+    step_of,
     unreadable,
 )
 
@@ -43,7 +44,7 @@ def ls(model_dir: str | Path) -> list[dict]:
         raise CheckpointError(f"{root}: no checkpoints (expected step directories in checkpoints/)")
     return [
         {
-            "step": int(d.name.split(".")[0]),
+            "step": step_of(d),
             "path": str(d),
             "complete": is_complete(d),
             "bytes": _size(d),

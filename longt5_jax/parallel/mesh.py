@@ -101,11 +101,7 @@ def check_fits(
     if plan is None:
         return
     for name, layers in zip(("num_encoder_layers", "num_decoder_layers"), num_layers, strict=True):
-        if layers % (plan.stages * plan.repeats):
-            raise ValueError(
-                f"LongT5Config.{name}={layers} is not divisible by MeshConfig.pipeline x "
-                f"pipeline_repeats ({plan.stages} x {plan.repeats})"
-            )
+        plan.check(layers, f"LongT5Config.{name}")
     if batch_size % (plan.microbatches * data):
         raise ValueError(
             f"DataConfig.batch_size={batch_size} is not divisible by pipeline microbatches x "
