@@ -8,6 +8,7 @@ alone, so a restore that cannot fit names every differing path before touching a
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from pathlib import Path
@@ -48,7 +49,7 @@ class ArrayInfo:
 class Checkpoints:
     """Periodic saves and resume for one MODEL_DIR."""
 
-    def __init__(self, model_dir: str | Path, cfg: CheckpointConfig):
+    def __init__(self, model_dir: str | Path, cfg: CheckpointConfig, tokenizer: bytes = b""):
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=cfg.save_every,
             max_to_keep=cfg.keep,
@@ -59,23 +60,25 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             (Path(model_dir) / "checkpoints").absolute(),
             options=options,
-            item_names=("state", "data", "config"),
+            item_names=("state", "data", "config", "tokenizer"),
         )
+        # The SentencePiece model travels in every checkpoint, so that evaluate and predict
+        # decode with the ids it was trained on, wherever the step directory is copied.
+        self.tokenizer = {"sentencepiece_model": base64.b64encode(tokenizer).decode("ascii")}
 
     def save(self, step: int, state: Any, data_iterator: Any, config: dict, force=False) -> bool:
         """Start saving `step` if it is due (or `force`); returns whether a save started.
 
         `config` is the config item: {'gin': operative config text, 'model': LongT5Config dict}.
         """
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(data_iterator),
-                config=ocp.args.JsonSave(config),
-            ),
-            force=force,
-        )
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "data": grain.checkpoint.CheckpointSave(data_iterator),
+            "config": ocp.args.JsonSave(config),
+        }
+        if self.tokenizer["sentencepiece_model"]:
+            items["tokenizer"] = ocp.args.JsonSave(self.tokenizer)
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
     def due(self, step: int) -> bool:
         return self.manager.should_save(step)
@@ -309,6 +312,17 @@ def saved_config(step_dir: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: no readable saved config ({e})") from None
+
+
+def saved_tokenizer(step_dir: Path) -> bytes | None:
+    """The SentencePiece model saved with the checkpoint, or None (converted checkpoints)."""
+    path = step_dir / "tokenizer" / "metadata"
+    if not path.exists():
+        return None
+    try:
+        return base64.b64decode(json.loads(path.read_text())["sentencepiece_model"], validate=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable saved tokenizer ({e})") from None
 
 
 def model_config(step_dir: Path) -> LongT5Config:

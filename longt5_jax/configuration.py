@@ -16,6 +16,8 @@ import gin
 
 from longt5_jax.checkpoint import CheckpointConfig
 from longt5_jax.data.pipeline import DataConfig
+from longt5_jax.decode import DecodeConfig
+from longt5_jax.evaluation import EvalConfig
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.optim import OptimizerConfig
 from longt5_jax.parallel.mesh import MeshConfig
@@ -32,6 +34,8 @@ CONFIGURABLE = {
         StepConfig,
         RunConfig,
         CheckpointConfig,
+        EvalConfig,
+        DecodeConfig,
     )
 }
 

@@ -1,49 +1,288 @@
-"""Greedy decoding with a key/value cache: the encoder runs once, then one token per step."""
+"""Decoding with a key/value cache: greedy, sampling (temperature, top-k, top-p) and beam search.
+
+The encoder runs once per document; the decoder then runs one token per step over its cache
+(cross-attention keys and values are filled on the first step and reused). Loops stop as soon as
+every row (or every beam search) is done, so short summaries cost short loops.
+
+Letter key: B batch, N beams, K candidates (2N), T decoded length, V vocab.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import LongT5, init_cache
 
+NEG = -1.0e9  # transformers' "never chosen" score, kept so beam scores match it exactly
 
-@functools.partial(jax.jit, static_argnames=("model", "max_length"))
-def greedy_decode(
-    model: LongT5, params: Any, input_ids: jax.Array, attention_mask: jax.Array, max_length: int
-) -> jax.Array:
-    """[B, max_length] greedy continuation of the decoder start token; pad after each EOS."""
-    c = model.config
-    variables = {"params": params}
-    b = input_ids.shape[0]
-    encoded = model.apply(variables, input_ids, attention_mask, method=LongT5.encode)
 
-    def step(token, cache, index):
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How summaries are decoded; the defaults are greedy decoding."""
+
+    max_length: int = 0  # decoded tokens at most; 0 takes DataConfig.target_length
+    num_beams: int = 1
+    # Beam scores are summed log-probabilities over a length penalty: len**alpha
+    # ('transformers') or ((5 + len) / 6)**alpha ('t5x', GNMT's brevity penalty).
+    length_penalty: float = 1.0
+    length_penalty_style: Literal["transformers", "t5x"] = "transformers"
+    # When a beam search ends: 'heuristic' once no live beam can beat the worst finished one at
+    # its current length (transformers' early_stopping=False); 'finished' as soon as num_beams
+    # hypotheses have ended (True); 'never' only when no live beam can beat them at any length.
+    early_stopping: Literal["heuristic", "finished", "never"] = "heuristic"
+    temperature: float = 0.0  # 0: argmax; > 0: sample from softmax(logits / temperature)
+    top_k: int = 0  # sampling only: keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # sampling only: keep the smallest set of tokens with this much mass
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_beams < 1 or self.max_length < 0 or self.top_k < 0:
+            raise ValueError(
+                f"DecodeConfig num_beams={self.num_beams}, max_length={self.max_length}, "
+                f"top_k={self.top_k}: expected num_beams >= 1, max_length >= 0, top_k >= 0"
+            )
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"DecodeConfig temperature={self.temperature}, top_p={self.top_p}: expected "
+                "temperature >= 0 and 0 < top_p <= 1"
+            )
+        if self.num_beams > 1 and self.temperature > 0:
+            raise ValueError(
+                "DecodeConfig: sampling (temperature > 0) with num_beams > 1 is not supported"
+            )
+
+    def penalty(self, length: jax.Array | int) -> jax.Array:
+        """The divisor of a finished hypothesis' summed log-probability at `length` tokens."""
+        length = jnp.asarray(length, jnp.float32)
+        base = length if self.length_penalty_style == "transformers" else (5.0 + length) / 6.0
+        return base**self.length_penalty
+
+
+def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Logits [..., V] with tokens outside the top-k and the top-p nucleus set to -inf.
+
+    As transformers' warpers: top-k first; then the nucleus keeps every token whose probability
+    mass above it (in ascending order) is over 1 - top_p, and always the most likely token.
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, axis=-1)
+        mass_below = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+        removed = mass_below <= 1.0 - top_p
+        removed = removed.at[..., -1].set(False)
+        # The smallest logit kept; ties with it are kept too, as the sorted scatter would.
+        threshold = jnp.min(jnp.where(removed, jnp.inf, ascending), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+Step = Callable[[jax.Array, Any, int | jax.Array], tuple[jax.Array, Any]]
+
+
+def _stepper(model: LongT5, params: Any, encoded: jax.Array, mask: jax.Array) -> Step:
+    """step(tokens [R], cache, index) -> (float32 logits [R, V], cache) for the R rows."""
+
+    def step(tokens, cache, index):
         logits, cache = model.apply(
-            variables,
+            {"params": params},
             encoded,
-            attention_mask,
-            token[:, None],
+            mask,
+            tokens[:, None],
             cache=cache,
             cache_index=index,
             method=LongT5.decode,
         )
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+        return logits[:, -1].astype(jnp.float32), cache
 
-    start = jnp.full((b,), c.decoder_start_id, jnp.int32)
+    return step
+
+
+def _greedy_or_sample(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache, length, rng):
+    """[B, length] tokens (pad after EOS) and their summed log-probabilities [B]."""
+    b = start.shape[0]
+
+    def pick(logits, i):
+        logp = jax.nn.log_softmax(logits)
+        if cfg.temperature == 0:
+            token = jnp.argmax(logits, axis=-1)
+        else:
+            warped = filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p)
+            token = jax.random.categorical(jax.random.fold_in(rng, i), warped)
+        token = token.astype(jnp.int32)
+        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+    def advance(carry, logits, i):
+        out, score, done, cache = carry
+        token, logp = pick(logits, i)
+        token = jnp.where(done, pad, token)
+        score = score + jnp.where(done, 0.0, logp)
+        return out.at[:, i].set(token), score, done | (token == eos), cache
+
+    out = jnp.full((b, length), pad, jnp.int32)
     # The first step also fills the cross-attention keys and values into the cache.
-    first, cache = step(start, init_cache(c, b, max_length), 0)
-    out = jnp.zeros((b, max_length), jnp.int32).at[:, 0].set(first)
+    logits, cache = step(start, cache, 0)
+    carry = advance((out, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool), cache), logits, 0)
 
-    def body(i, carry):
-        out, cache, done = carry
-        token, cache = step(out[:, i - 1], cache, i)
-        done = done | (out[:, i - 1] == c.eos_id)
-        out = out.at[:, i].set(jnp.where(done, c.pad_id, token))
-        return out, cache, done
+    def body(state):
+        i, (out, score, done, cache) = state
+        logits, cache = step(out[:, i - 1], cache, i)
+        return i + 1, advance((out, score, done, cache), logits, i)
 
-    out, _, _ = jax.lax.fori_loop(1, max_length, body, (out, cache, jnp.zeros((b,), bool)))
-    return out
+    def cond(state):
+        i, (_, _, done, _) = state
+        return (i < length) & ~jnp.all(done)
+
+    _, (out, score, _, _) = jax.lax.while_loop(cond, body, (jnp.int32(1), carry))
+    return out, score
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b, j], ...] for x [B, M, ...] and index [B, J]."""
+    index = index.reshape(index.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache, length, b):
+    """transformers' vectorised beam search (the same candidates, scores and stopping rule).
+
+    Each step keeps the K = 2N best continuations of all live beams, so that N of them stay live
+    even when N end at EOS; the finished set keeps the N best ended hypotheses by penalised score.
+    """
+    n, k = cfg.num_beams, 2 * cfg.num_beams
+    rows = jnp.arange(b)[:, None] * n
+
+    def advance(state, logits, t):
+        seq, score, fin_seq, fin_score, fin_done, open_, cache = state
+        v = logits.shape[-1]
+        logp = jax.nn.log_softmax(logits).reshape(b, n, v) + score[:, :, None]
+        cand_score_BK, flat = jax.lax.top_k(logp.reshape(b, n * v), k)
+        parent_BK, token_BK = flat // v, (flat % v).astype(jnp.int32)
+        cand_BKT = _take(seq, parent_BK).at[:, :, t].set(token_BK)
+        ended_BK = (token_BK == eos) | (t + 1 >= length)
+
+        # Live beams: the N best candidates that did not end.
+        live_score = cand_score_BK + ended_BK * NEG
+        best = jax.lax.top_k(live_score, n)[1]
+        seq, score, parent = _take(cand_BKT, best), _take(live_score, best), _take(parent_BK, best)
+
+        # Finished: only candidates among the top N may join, scored with the length penalty.
+        joined = ended_BK & (jnp.arange(k) < n)[None]
+        penalised = cand_score_BK / cfg.penalty(t + 1)
+        full = jnp.all(fin_done, axis=-1, keepdims=True) & (cfg.early_stopping == "finished")
+        # Three separate masks, as transformers adds them: the same scores, not just the same order.
+        penalised = penalised + full * NEG + ~open_[:, None] * NEG + ~joined * NEG
+        merged_score = jnp.concatenate([fin_score, penalised], axis=1)
+        keep = jax.lax.top_k(merged_score, n)[1]
+        fin_seq = _take(jnp.concatenate([fin_seq, cand_BKT], axis=1), keep)
+        fin_score = _take(merged_score, keep)
+        fin_done = _take(jnp.concatenate([fin_done, joined], axis=1), keep)
+
+        # Could a live beam still beat the worst finished one? (at its length, or at the longest)
+        best_length = length if cfg.early_stopping == "never" and cfg.length_penalty > 0 else t + 1
+        hope = score[:, 0] / cfg.penalty(best_length)
+        worst = jnp.where(fin_done, jnp.min(fin_score, axis=1, keepdims=True), NEG)
+        open_ = open_ & jnp.any(hope[:, None] > worst, axis=1)
+
+        # Each live beam continues its parent's cache; cross-attention is the same for all beams.
+        order = (rows + parent).reshape(-1)
+        cache = {
+            name: jnp.take(x, order, axis=1) if name.startswith("self_") else x
+            for name, x in cache.items()
+        }
+        going = jnp.any(open_) & ~jnp.all(ended_BK)
+        if cfg.early_stopping == "finished":
+            going = going & ~jnp.all(fin_done)
+        return (seq, score, fin_seq, fin_score, fin_done, open_, cache), going
+
+    init = (
+        jnp.full((b, n, length), pad, jnp.int32),
+        jnp.zeros((b, n), jnp.float32).at[:, 1:].set(NEG),  # only beam 0 is live at first
+        jnp.full((b, n, length), pad, jnp.int32),
+        jnp.full((b, n), NEG, jnp.float32),
+        jnp.zeros((b, n), bool),
+        jnp.ones((b,), bool),
+    )
+    logits, cache = step(jnp.repeat(start, n), cache, 0)
+    state, going = advance((*init, cache), logits, 0)
+
+    def body(carry):
+        t, state, _ = carry
+        seq = state[0]
+        last = seq[:, :, t - 1].reshape(-1)
+        logits, cache = step(last, state[-1], t)
+        state, going = advance((*state[:-1], cache), logits, t)
+        return t + 1, state, going
+
+    def cond(carry):
+        t, _, going = carry
+        return going & (t < length)
+
+    _, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), state, going))
+    return state[2][:, 0], state[3][:, 0]
+
+
+def generate(
+    model: LongT5,
+    params: Any,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    cfg: DecodeConfig,
+    length: int,
+    rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """([B, length] decoded tokens, pad after EOS; [B] scores) for a batch of documents.
+
+    Scores are summed log-probabilities (greedy, sampling) or penalised beam scores. Sampling
+    draws from `rng`, by default the key of `cfg.seed`.
+    """
+    rng = jax.random.key(cfg.seed) if rng is None else rng
+    # The seed reaches the program as a key: another seed does not compile it again.
+    cfg = dataclasses.replace(cfg, seed=0)
+    return _generate(model, params, input_ids, attention_mask, cfg, length, rng)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "cfg", "length"))
+def _generate(model, params, input_ids, attention_mask, cfg, length, rng):
+    c = model.config
+    b = input_ids.shape[0]
+    encoded = model.apply({"params": params}, input_ids, attention_mask, method=LongT5.encode)
+    if cfg.num_beams > 1:
+        return beam_search(model, params, encoded, attention_mask, cfg, length)
+    step = _stepper(model, params, encoded, attention_mask)
+    start = jnp.full((b,), c.decoder_start_id, jnp.int32)
+    cache = init_cache(c, b, length)
+    return _greedy_or_sample(step, cfg, c.eos_id, c.pad_id, start, cache, length, rng)
+
+
+def beam_search(
+    model: LongT5,
+    params: Any,
+    encoded: jax.Array,
+    attention_mask: jax.Array,
+    cfg: DecodeConfig,
+    length: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search over an encoder output [B, L, D] (any num_beams, 1 included)."""
+    c, b, n = model.config, encoded.shape[0], cfg.num_beams
+    # The decoder sees each document once per beam; the encoder ran once.
+    step = _stepper(
+        model, params, jnp.repeat(encoded, n, axis=0), jnp.repeat(attention_mask, n, axis=0)
+    )
+    start = jnp.full((b,), c.decoder_start_id, jnp.int32)
+    cache = init_cache(c, b * n, length)
+    return _beam_search(step, cfg, c.eos_id, c.pad_id, start, cache, length, b)
+
+
+def greedy_decode(
+    model: LongT5, params: Any, input_ids: jax.Array, attention_mask: jax.Array, max_length: int
+) -> jax.Array:
+    """[B, max_length] greedy continuation of the decoder start token; pad after each EOS."""
+    return generate(model, params, input_ids, attention_mask, DecodeConfig(), max_length)[0]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -71,6 +73,30 @@ class MetricsWriter:
         for k, v in row.items():
             if k != "step":
                 self._tb.add_scalar(k, v, step)
+        self._tb.flush()
+        return row
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (evaluation) does not count against the training rate."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._last is not None:
+                self._last = (self._last[0], self._last[1] + time.perf_counter() - began)
+
+    def write_eval(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """An evaluation row ('eval/...' metrics) in the same logs as the training rows."""
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        if not self.enabled or not metrics:
+            return row
+        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items())
+        print(f"eval {step:>6}/{self.total_steps}  {shown}", flush=True)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        for k, v in metrics.items():
+            self._tb.add_scalar(k, v, step)
         self._tb.flush()
         return row
 

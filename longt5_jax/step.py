@@ -23,8 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5
 from longt5_jax.parallel.mesh import MeshConfig
-from longt5_jax.parallel.rules import rules
-from longt5_jax.parallel.sharding import optimizer_shardings, tree_shardings
+from longt5_jax.parallel.sharding import activation_context, optimizer_shardings, tree_shardings
 
 Batch = dict[str, jax.Array]
 
@@ -78,6 +77,12 @@ def _summed_loss(model: LongT5, params: Any, batch: Batch, z_loss: float, rng: j
         "correct": jnp.sum(correct * weights),
     }
     return stats["loss_sum"], stats
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def eval_stats(model: LongT5, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    """Summed loss (no z-loss), weight and correct tokens of `batch`, deterministic."""
+    return _summed_loss(model, params, batch, 0.0, None)[1]
 
 
 def loss_and_grads(
@@ -188,19 +193,7 @@ class ShardedStep:
             return jax.jit(init, out_shardings=self.state_shardings)(key)
 
     def _context(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(
-            nn.logical_axis_rules(
-                rules(
-                    "activations",
-                    self.plan.zero_stage,
-                    self.plan.sequence_sharding,
-                    pipelined=self.plan.pipeline > 1,
-                )
-            )
-        )
-        return stack
+        return activation_context(self.mesh, self.plan)
 
     def _constrain_grads(self, grads: Any) -> Any:
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
@@ -226,3 +219,8 @@ class ShardedStep:
     def lower(self, state: TrainState, batch: Batch, rng: jax.Array | None = None):
         with self._context():
             return self._jitted().lower(state, batch, rng)
+
+    def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        """Summed loss, weight and correct tokens of a global `batch` (no dropout, no update)."""
+        with self._context():
+            return eval_stats(self.model, params, batch)

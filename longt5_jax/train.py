@@ -32,6 +32,8 @@ def _configure(argv: list[str]):
             ("optim", conf.OptimizerConfig),
             ("step", conf.StepConfig),
             ("ckpt", conf.CheckpointConfig),
+            ("eval", conf.EvalConfig),
+            ("decode", conf.DecodeConfig),
         )
     }
     return built, "--print_config" in rest
@@ -52,6 +54,7 @@ def train(cfg: dict) -> dict:
     from longt5_jax import configuration
     from longt5_jax.checkpoint import Checkpoints, abstract_like, resolve, restore_params
     from longt5_jax.data.pipeline import load_tokenizer, make_dataset
+    from longt5_jax.evaluation import PeriodicEval
     from longt5_jax.metrics import MetricsWriter
     from longt5_jax.model import LongT5, count_params
     from longt5_jax.optim import make_optimizer
@@ -78,7 +81,7 @@ def train(cfg: dict) -> dict:
         )
 
     batches = iter(make_dataset(data_cfg, tokenizer, "train"))
-    checkpoints = Checkpoints(model_dir, cfg["ckpt"])
+    checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
         start = checkpoints.latest_step() or 0
         if start:
@@ -96,8 +99,9 @@ def train(cfg: dict) -> dict:
             if note:
                 print(note, flush=True)
         writer = MetricsWriter(model_dir, run.train_steps, resume_step=start)
+        evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step)
         try:
-            return _loop(cfg, step, state, batches, checkpoints, writer, start)
+            return _loop(cfg, step, state, batches, checkpoints, writer, start, evaluate)
         finally:
             writer.close()
     finally:
@@ -108,7 +112,7 @@ class NonFiniteError(RuntimeError):
     """A NaN or Inf loss or gradient, with updates not set to be skipped."""
 
 
-def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> dict:
+def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, evaluate) -> dict:
     """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
     import dataclasses
 
@@ -151,6 +155,9 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int) -> d
             values["learning_rate"] = learning_rate_at(cfg["optim"], i)
             values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
             row = writer.write(i + 1, values)
+        if evaluate.due(i + 1):
+            with writer.paused():
+                writer.write_eval(i + 1, evaluate(i + 1, state.params))
         if last or checkpoints.due(i + 1):
             bad_steps += _nonfinite(pending, skip)  # never save a state that went non-finite
             pending = []

@@ -1,4 +1,5 @@
-"""Cached greedy decoding against uncached argmax decoding and transformers' generate."""
+"""Decoding: cached vs uncached, greedy and beam search vs transformers' generate, sampling
+filters vs transformers' warpers, and sharded vs one device."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from reference import padded_batch, random_params, torch_model
 
-from longt5_jax.decode import greedy_decode
+from longt5_jax.decode import DecodeConfig, beam_search, filter_logits, generate, greedy_decode
 from longt5_jax.model import LongT5, LongT5Config
 
 STEPS = 9
@@ -76,3 +77,117 @@ def test_greedy_equals_transformers_generate(attention):
     )  # drop the decoder start token
     theirs = np.pad(theirs, [(0, 0), (0, STEPS - theirs.shape[1])], constant_values=config.pad_id)
     np.testing.assert_array_equal(ours, theirs)
+
+
+SETTINGS = [  # (beams, length penalty, early stopping): transformers' default, 'never', 'finished'
+    (4, 1.0, "heuristic"),
+    (4, 2.0, "never"),
+    (3, 0.5, "finished"),
+]
+HF_EARLY = {"heuristic": False, "finished": True, "never": "never"}
+
+
+def _hf_beams(config, params, batch, beams, penalty, early):
+    out = torch_model(config, params).generate(
+        input_ids=torch.tensor(batch.input_ids).long(),
+        attention_mask=torch.tensor(batch.attention_mask),
+        max_new_tokens=STEPS,
+        min_length=0,
+        do_sample=False,
+        num_beams=beams,
+        length_penalty=penalty,
+        early_stopping=HF_EARLY[early],
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences.numpy()[:, 1:]  # drop the decoder start token
+    tokens = np.pad(tokens, [(0, 0), (0, STEPS - tokens.shape[1])], constant_values=config.pad_id)
+    for row in tokens:  # transformers fills after EOS with EOS; we pad
+        eos = np.flatnonzero(row == config.eos_id)
+        if eos.size:
+            row[eos[0] + 1 :] = config.pad_id
+    return tokens, out.sequences_scores.numpy()
+
+
+@pytest.mark.parametrize("attention", ["local", "transient-global"])
+def test_beam_search_equals_transformers_generate(attention):
+    config, params, batch = _setup(attention)
+    model = LongT5(config)
+    for beams, penalty, early in SETTINGS:
+        cfg = DecodeConfig(num_beams=beams, length_penalty=penalty, early_stopping=early)
+        ours, scores = generate(model, params, batch.input_ids, batch.attention_mask, cfg, STEPS)
+        theirs, their_scores = _hf_beams(config, params, batch, beams, penalty, early)
+        np.testing.assert_array_equal(np.asarray(ours), theirs, err_msg=str(cfg))
+        np.testing.assert_allclose(np.asarray(scores), their_scores, rtol=2e-5, err_msg=str(cfg))
+    # Row 0 ended at EOS in at least one setting, so finished hypotheses were exercised.
+    assert (np.asarray(ours)[0] == config.eos_id).any() or (theirs == config.eos_id).any()
+
+
+def test_beam_search_with_one_beam_equals_greedy():
+    config, params, batch = _setup("transient-global")
+    model = LongT5(config)
+    encoded = model.apply(
+        {"params": params}, batch.input_ids, batch.attention_mask, method=LongT5.encode
+    )
+    one = DecodeConfig(num_beams=1)
+    tokens, _ = beam_search(model, params, encoded, batch.attention_mask, one, STEPS)
+    greedy = greedy_decode(model, params, batch.input_ids, batch.attention_mask, STEPS)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(greedy))
+    assert (np.asarray(greedy)[0] == config.eos_id).any()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 1.0), (7, 0.5), (0, 0.05)])
+def test_top_k_top_p_filters_equal_transformers_warpers(top_k, top_p):
+    from transformers.generation import logits_process as lp
+
+    logits = np.random.default_rng(top_k).normal(size=(6, 50)).astype(np.float32) * 3
+    ours = np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p))
+    scores = torch.tensor(logits)
+    if top_k:
+        scores = lp.TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = lp.TopPLogitsWarper(top_p)(None, scores)
+    np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(scores.numpy()))
+    np.testing.assert_array_equal(ours[np.isfinite(ours)], logits[np.isfinite(ours)])
+
+
+def test_tokens_tied_at_the_threshold_are_all_kept():
+    # transformers keeps whichever tied tokens its sort puts first; we keep all of them.
+    logits = jnp.asarray([[3.0, 2.0, 2.0, 2.0, -1.0]])
+    assert np.isfinite(filter_logits(logits, 2, 1.0)).sum() == 4
+    assert np.isfinite(filter_logits(logits, 0, 0.6)).sum() == 4  # 3.0 holds < 0.6 of the mass
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy():
+    config, params, batch = _setup("local")
+    model = LongT5(config)
+    args = (model, params, batch.input_ids, batch.attention_mask)
+    greedy = np.asarray(greedy_decode(*args, STEPS))
+    top1 = generate(*args, DecodeConfig(temperature=0.7, top_k=1, seed=3), STEPS)[0]
+    np.testing.assert_array_equal(np.asarray(top1), greedy)
+    hot = DecodeConfig(temperature=5.0, seed=3)
+    first, again = (np.asarray(generate(*args, hot, STEPS)[0]) for _ in range(2))
+    other = np.asarray(generate(*args, DecodeConfig(temperature=5.0, seed=4), STEPS)[0])
+    np.testing.assert_array_equal(first, again)
+    assert (first != greedy).any() and (first != other).any()
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_decoding_on_a_data_tensor_mesh_equals_one_device(beams):
+    from longt5_jax.inference import Generator, param_shardings
+    from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+
+    config, params, _ = _setup("transient-global")
+    batch = padded_batch(config, [29, 18, 5, 12], [1] * 4, 29, 1, seed=3)
+    cfg = DecodeConfig(num_beams=beams)
+    model = LongT5(config)
+    single = generate(model, params, batch.input_ids, batch.attention_mask, cfg, STEPS)
+    plan = MeshConfig(data=4, tensor=2, zero_stage=0)
+    mesh = make_mesh(plan)
+    sharded = jax.device_put(params, param_shardings(config, mesh, 0))
+    tokens, scores = Generator(model, sharded, mesh, plan, cfg, STEPS)(
+        batch.input_ids, batch.attention_mask
+    )
+    assert tokens.sharding.spec[0] == "data"
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(single[0]))
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(single[1]), rtol=1e-5)

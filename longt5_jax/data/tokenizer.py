@@ -26,13 +26,20 @@ PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 class Tokenizer:
     """Text <-> int32 ids with T5's special ids; sentinels are ids >= the SentencePiece size."""
 
-    def __init__(self, model_path: str | os.PathLike):
+    def __init__(self, model_path: str | os.PathLike, proto: bytes | None = None):
+        """From a file, or from the model's bytes (`proto`) with `model_path` naming where
+        they came from (a checkpoint)."""
         path = Path(model_path)
-        if not path.is_file():
+        if proto is None and not path.is_file():
             raise FileNotFoundError(f"{path}: SentencePiece model not found")
         self.path = path
-        self._proto = path.read_bytes()
+        self._proto = path.read_bytes() if proto is None else proto
         self._sp = self._load()
+
+    @property
+    def proto(self) -> bytes:
+        """The serialized SentencePiece model."""
+        return self._proto
 
     def _load(self) -> spm.SentencePieceProcessor:
         sp = spm.SentencePieceProcessor()
@@ -81,7 +88,7 @@ class Tokenizer:
         for i in (int(i) for i in ids):
             if i == EOS_ID:
                 break
-            if i == PAD_ID:
+            if i == PAD_ID or i >= self.vocab_size:  # ids past the vocabulary: embedding padding
                 continue
             if i >= self.piece_count:
                 out += [self._sp.decode(pieces), f"<extra_id_{self.vocab_size - 1 - i}>"]

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import Use, rules
+
+
+def activation_context(mesh: Mesh, plan: MeshConfig) -> contextlib.ExitStack:
+    """The mesh and the activation rules; logical constraints are read while tracing, so every
+    trace of a sharded function happens inside this."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(
+        nn.logical_axis_rules(
+            rules(
+                "activations",
+                plan.zero_stage,
+                plan.sequence_sharding,
+                pipelined=plan.pipeline > 1,
+            )
+        )
+    )
+    return stack
 
 
 def tree_shardings(boxed: Any, mesh: Mesh, use: Use, zero_stage: int) -> Any:

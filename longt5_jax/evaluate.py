@@ -1,0 +1,126 @@
+"""`python -m longt5_jax.evaluate --gin_file=... --checkpoint=CKPT [--split val] [--limit N]`
+
+Eval loss and ROUGE-1/2/L/Lsum of a checkpoint on a split of the configured task. CKPT is a step
+directory or a MODEL_DIR (its latest complete checkpoint), and the `config.gin` a run saved in
+its MODEL_DIR works as the gin file. Writes `<split>_predictions.jsonl` (id, prediction,
+reference) and `<split>_metrics.json` to MODEL_DIR/eval/step_<N>/ (or --output_dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m longt5_jax.evaluate", description=__doc__)
+    parser.add_argument("--checkpoint", required=True, help="a step directory or a MODEL_DIR")
+    parser.add_argument("--split", default="", help="default: EvalConfig.split")
+    parser.add_argument("--limit", type=int, default=0, help="only the first N examples")
+    parser.add_argument("--output_dir", default="", help="default: MODEL_DIR/eval/step_<N>")
+    parser.add_argument("--tokenizer", default="", help="for a checkpoint saved without one")
+    return parser.parse_known_args(argv)
+
+
+def _model_dir(step_dir: Path) -> Path:
+    """The MODEL_DIR a step directory belongs to (its parent if it stands alone)."""
+    return step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
+
+
+def _configure(argv: list[str], step_dir: Path) -> dict:
+    from longt5_jax import configuration as conf
+
+    files, bindings, rest = conf.split_gin_args(argv)
+    if rest:
+        raise conf.ConfigError(f"unknown arguments {rest}: expected --gin_file or --gin.NAME=VALUE")
+    if not files:
+        raise conf.ConfigError("--gin_file is required (a run's MODEL_DIR/config.gin works)")
+    # MODEL_DIR is required by run configs; here it is the checkpoint's (unless bound again).
+    conf.parse(files, [f"MODEL_DIR = '{_model_dir(step_dir)}'", *bindings])
+    return {
+        "run": conf.build(conf.RunConfig),
+        "data": conf.build(conf.DataConfig),
+        "mesh": conf.build(conf.MeshConfig),
+        "eval": conf.build(conf.EvalConfig),
+        "decode": conf.build(conf.DecodeConfig),
+    }
+
+
+def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
+    """Loss and ROUGE of the checkpoint on the split; writes predictions and metrics."""
+    import dataclasses
+
+    import jax
+    from tqdm import tqdm
+
+    from longt5_jax import evaluation, inference
+    from longt5_jax.checkpoint import step_of
+
+    data, split = cfg["data"], args.split or cfg["eval"].split
+    # Every document is evaluated: the last batch is padded, never dropped.
+    data = dataclasses.replace(data, shuffle=False, num_epochs=1)
+    length = cfg["decode"].max_length or data.target_length
+    generator, _ = inference.from_checkpoint(step_dir, cfg["mesh"], cfg["decode"], length)
+    tokenizer = inference.load_tokenizer_for(step_dir, args.tokenizer)
+    examples = evaluation.load_examples(data, tokenizer, split, args.limit)
+    truncated = sum(len(e.inputs) == data.input_length for e in examples)
+    if truncated:
+        print(
+            f"warning: {truncated} of {len(examples)} inputs reach DataConfig.input_length="
+            f"{data.input_length} and are truncated to it",
+            file=sys.stderr,
+        )
+    began = time.perf_counter()
+    loss = evaluation.eval_loss(generator.stats, examples, data, data.batch_size)
+    metrics = {f"eval_{k}": v for k, v in loss.items()}
+    with tqdm(total=len(examples), desc=f"decoding {split}", unit="doc", disable=None) as bar:
+        tokens = evaluation.predict(generator.tokens, examples, data, data.batch_size, bar.update)
+    scores, records = evaluation.rouge_of(tokenizer, examples, tokens)
+    step = step_of(step_dir)
+    metrics |= scores | {
+        "step": step,
+        "split": split,
+        "examples": len(examples),
+        "truncated_inputs": truncated,
+        "decode": dataclasses.asdict(cfg["decode"]) | {"max_length": length},
+        "seconds": time.perf_counter() - began,
+    }
+    if jax.process_index() == 0:
+        out = Path(args.output_dir or _model_dir(step_dir) / "eval" / f"step_{step}")
+        evaluation.write_atomic(
+            out / f"{split}_predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+        )
+        evaluation.write_atomic(out / f"{split}_metrics.json", json.dumps(metrics, indent=2) + "\n")
+        metrics["output_dir"] = str(out)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    from longt5_jax.checkpoint import CheckpointError, resolve
+    from longt5_jax.configuration import ConfigError
+    from longt5_jax.data.sources import DataError
+
+    args, rest = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        step_dir = resolve(args.checkpoint)
+        cfg = _configure(rest, step_dir)
+        from longt5_jax.train import _use_cpu_devices
+
+        _use_cpu_devices(cfg["run"].cpu_devices)
+        metrics = evaluate(args, cfg, step_dir)
+    except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shown = "  ".join(f"{k} {metrics[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"))
+    print(
+        f"step {metrics['step']} {metrics['split']}: {metrics['examples']} examples  "
+        f"loss {metrics['eval_loss']:.4f}  {shown}  -> {metrics.get('output_dir', '')}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

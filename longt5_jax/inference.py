@@ -1,0 +1,108 @@
+"""A checkpoint made ready to decode on a mesh: its model, sharded parameters and tokenizer.
+
+Decoding runs on the same mesh and rule table as training: rows over `data`, heads, MLP and
+vocabulary over `tensor`. Parameters are laid out per the ZeRO stage given (0 keeps a full
+replica per data rank, the fastest for decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from longt5_jax.checkpoint import CheckpointError, model_config, restore_params, saved_tokenizer
+from longt5_jax.data.tokenizer import Tokenizer
+from longt5_jax.decode import DecodeConfig, generate
+from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.sharding import activation_context, tree_shardings
+from longt5_jax.step import eval_stats
+
+
+def load_tokenizer_for(step_dir: Path, override: str = "") -> Tokenizer:
+    """The tokenizer saved in the checkpoint, or `override` (a SentencePiece model file)."""
+    if override:
+        return Tokenizer(override)
+    proto = saved_tokenizer(step_dir)
+    if proto is None:
+        raise CheckpointError(
+            f"{step_dir}: holds no tokenizer (a converted checkpoint, or saved before tokenizers "
+            "were saved): pass --tokenizer=PATH to its SentencePiece model"
+        )
+    try:
+        return Tokenizer(step_dir / "tokenizer", proto)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def param_shardings(config: LongT5Config, mesh: Mesh, zero_stage: int) -> Any:
+    """How the parameters lie on `mesh` per the rule table."""
+    ids = jnp.ones((1, 1), jnp.int32)
+    boxed = jax.eval_shape(lambda k: LongT5(config).init(k, ids, None, ids), jax.random.key(0))
+    return tree_shardings(boxed["params"], mesh, "params", zero_stage)
+
+
+def abstract_params(config: LongT5Config, mesh: Mesh, zero_stage: int) -> Any:
+    """Shapes, dtypes and shardings of the parameters: the target a restore fills."""
+    ids = jnp.ones((1, 1), jnp.int32)
+    shapes = jax.eval_shape(
+        lambda k: nn.unbox(LongT5(config).init(k, ids, None, ids))["params"], jax.random.key(0)
+    )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        shapes,
+        param_shardings(config, mesh, zero_stage),
+    )
+
+
+@dataclasses.dataclass
+class Generator:
+    """Decodes batches of token ids with `params` laid out on `mesh`."""
+
+    model: LongT5
+    params: Any
+    mesh: Mesh
+    plan: MeshConfig
+    decode: DecodeConfig
+    length: int  # decoded tokens at most
+
+    def __post_init__(self):
+        self.rows = NamedSharding(self.mesh, PartitionSpec("data"))
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: jax.Array | None = None):
+        """([B, length] tokens, [B] scores) for this process's rows `ids`, `mask` [b, L]."""
+        ids, mask = (jax.make_array_from_process_local_data(self.rows, x) for x in (ids, mask))
+        with activation_context(self.mesh, self.plan):
+            return generate(self.model, self.params, ids, mask, self.decode, self.length, rng)
+
+    def tokens(self, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
+        return self(ids, mask)[0]
+
+    def stats(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Summed eval-loss statistics of a batch from this process's rows."""
+        batch = {k: jax.make_array_from_process_local_data(self.rows, v) for k, v in local.items()}
+        with activation_context(self.mesh, self.plan):
+            return eval_stats(self.model, self.params, batch)
+
+
+def decoding_plan(plan: MeshConfig) -> MeshConfig:
+    """`plan` for decoding: the cache-driven decoder is not pipelined, so stages become data."""
+    return dataclasses.replace(plan, data=-1, pipeline=1, pipeline_microbatches=0)
+
+
+def from_checkpoint(
+    step_dir: Path, plan: MeshConfig, decode: DecodeConfig, length: int
+) -> tuple[Generator, LongT5Config]:
+    """A generator holding the checkpoint's parameters on a mesh of all devices per `plan`."""
+    config = model_config(step_dir)
+    plan = decoding_plan(plan)
+    mesh = make_mesh(plan)
+    params = restore_params(step_dir, abstract_params(config, mesh, plan.zero_stage))
+    return Generator(LongT5(config), params, mesh, plan, decode, length), config

@@ -1,0 +1,164 @@
+"""`python -m longt5_jax.predict --checkpoint=CKPT --input=DOCS --output=OUT.jsonl [options]`
+
+Summaries of your documents from a checkpoint (a step directory or a MODEL_DIR). DOCS is a
+.jsonl file (one document per line, its text under --input_field, an optional "id") or a .txt
+file (the whole file is one document). OUT gets {"id", "prediction"} per document, in order,
+written when all are done (a failed run leaves an existing OUT as it was).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from longt5_jax.data.sources import DataError
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m longt5_jax.predict", description=__doc__)
+    p.add_argument("--checkpoint", required=True, help="a step directory or a MODEL_DIR")
+    p.add_argument("--input", required=True, help="FILE.jsonl or FILE.txt")
+    p.add_argument("--output", required=True, help="predictions JSONL")
+    p.add_argument("--input_field", default="article", help="the text field of .jsonl records")
+    p.add_argument("--input_length", type=int, default=0, help="0: as the checkpoint trained")
+    p.add_argument("--max_length", type=int, default=256, help="summary tokens at most")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--num_beams", type=int, default=1)
+    p.add_argument("--length_penalty", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples")
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel ranks; the rest: data")
+    p.add_argument("--cpu_devices", type=int, default=0, help="fake CPU devices (no accelerator)")
+    p.add_argument("--tokenizer", default="", help="for a checkpoint saved without one")
+    return p.parse_args(argv)
+
+
+def read_documents(path: Path, field: str) -> list[tuple[str, str]]:
+    """(id, text) of each document; one-line errors for what cannot be used."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8", errors="strict")
+        if not text.strip():
+            raise DataError(f"{path}: empty document")
+        return [(path.stem, text)]
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: expected a .jsonl or .txt file")
+    docs, empty = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                text = record[field]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(
+                    f"{path}:{number}: expected a JSON object with a text field {field!r} "
+                    f"(--input_field) ({type(e).__name__}: {e})"
+                ) from None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{number}: field {field!r} is not a string")
+            if not text.strip():
+                empty.append(number)
+            docs.append((str(record.get("id", number)), text))
+    if empty:
+        lines = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
+        raise DataError(f"{path}: empty documents on line(s) {lines}: remove them or add text")
+    if not docs:
+        raise DataError(f"{path}: no documents")
+    return docs
+
+
+def trained_input_length(gin_text: str) -> int | None:
+    found = re.findall(r"^DataConfig\.input_length\s*=\s*(\d+)", gin_text, re.MULTILINE)
+    return int(found[-1]) if found else None
+
+
+def predict(args: argparse.Namespace) -> int:
+    import jax
+    from tqdm import tqdm
+
+    from longt5_jax.checkpoint import resolve, saved_config
+    from longt5_jax.data.batching import trim_with_eos
+    from longt5_jax.decode import DecodeConfig
+    from longt5_jax.evaluation import write_atomic
+    from longt5_jax.inference import from_checkpoint, load_tokenizer_for
+    from longt5_jax.parallel.mesh import MeshConfig
+
+    step_dir = resolve(args.checkpoint)
+    docs = read_documents(Path(args.input), args.input_field)
+    tokenizer = load_tokenizer_for(step_dir, args.tokenizer)
+    length = args.input_length or trained_input_length(saved_config(step_dir).get("gin", ""))
+    if not length:
+        raise ValueError(f"{step_dir}: its config names no input length: pass --input_length")
+    decode = DecodeConfig(
+        max_length=args.max_length,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    plan = MeshConfig(data=-1, tensor=args.tensor, zero_stage=0)
+    generator, _ = from_checkpoint(step_dir, plan, decode, args.max_length)
+    data = generator.mesh.shape["data"]
+    rows = -(-args.batch_size // data) * data  # whole rows for every data rank
+
+    ids = []
+    for (doc_id, text), number in zip(docs, range(len(docs)), strict=True):
+        tokens = tokenizer.encode(text)
+        if len(tokens) > length - 1:
+            where = f"{args.input}:{number + 1}" if len(docs) > 1 else args.input
+            print(
+                f"warning: {where} (id {doc_id}): {len(tokens):,} tokens, truncated to the first "
+                f"{length - 1:,} and EOS (input length {length:,})",
+                file=sys.stderr,
+            )
+        ids.append(trim_with_eos(tokens, length))
+
+    out = []
+    with tqdm(total=len(docs), desc="summarising", unit="doc", disable=None) as bar:
+        for start in range(0, len(ids), rows):
+            chunk = ids[start : start + rows]
+            batch = np.zeros((rows, length), np.int32)
+            for r, x in enumerate(chunk):
+                batch[r, : len(x)] = x
+            tokens = np.asarray(jax.device_get(generator.tokens(batch, (batch > 0) * 1)))
+            out += [tokenizer.decode(t) for t in tokens[: len(chunk)]]
+            bar.update(len(chunk))
+    write_atomic(
+        Path(args.output),
+        "".join(
+            json.dumps({"id": d[0], "prediction": p}) + "\n" for d, p in zip(docs, out, strict=True)
+        ),
+    )
+    print(f"{len(out)} summaries -> {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from longt5_jax.checkpoint import CheckpointError
+
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.cpu_devices:
+        from longt5_jax.train import _use_cpu_devices
+
+        _use_cpu_devices(args.cpu_devices)
+    try:
+        return predict(args)
+    except (CheckpointError, DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Evaluation and inference end to end on a short run's checkpoint: periodic eval during
+training, `evaluate` (loss, ROUGE, predictions), `predict` on user files, and bad input."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from test_train import TINY_RUN
+
+from longt5_jax import evaluate, predict, train
+from longt5_jax.data.aclsum import aclsum_source
+from longt5_jax.data.pipeline import DataConfig, load_tokenizer
+from longt5_jax.rouge import rouge
+
+EVAL = [
+    "--gin.EvalConfig.loss_every=4",
+    "--gin.EvalConfig.loss_examples=4",
+    "--gin.EvalConfig.rouge_every=4",
+    "--gin.EvalConfig.rouge_examples=4",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("run")
+    assert train.main([*TINY_RUN, *EVAL, f"--gin.MODEL_DIR='{model_dir}'"]) == 0
+    return model_dir
+
+
+def _rows(model_dir):
+    return [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_logs_eval_loss_and_rouge(run):
+    (row,) = [r for r in _rows(run) if "eval/loss" in r]
+    assert row["step"] == 4
+    assert 0 < row["eval/loss"] < 20 and row["eval/tokens"] > 0
+    assert {"eval/rouge1", "eval/rouge2", "eval/rougeL", "eval/rougeLsum"} <= row.keys()
+    train_rows = [r for r in _rows(run) if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+
+
+def test_evaluate_writes_predictions_and_metrics_equal_to_the_periodic_eval(run, capsys):
+    argv = [f"--gin_file={run}/config.gin", f"--checkpoint={run}", "--limit=4"]
+    assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 0
+    out = run / "eval" / "step_4"
+    metrics = json.loads((out / "val_metrics.json").read_text())
+    records = [json.loads(x) for x in (out / "val_predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["0", "1", "2", "3"]
+    assert records[0]["reference"] == aclsum_source("val")[0]["targets"]
+    (periodic,) = [r for r in _rows(run) if "eval/loss" in r]
+    # The same examples and parameters: the training-time numbers, from another code path.
+    np.testing.assert_allclose(metrics["eval_loss"], periodic["eval/loss"], rtol=1e-5)
+    assert metrics["rouge1"] == pytest.approx(periodic["eval/rouge1"], rel=1e-9)
+    scores = rouge([r["reference"] for r in records], [r["prediction"] for r in records])
+    assert {k: metrics[k] for k in scores} == scores
+    assert metrics["examples"] == 4 and metrics["truncated_inputs"] == 4
+    assert "rouge1" in capsys.readouterr().out
+
+
+def test_predict_on_user_files_gives_the_evaluate_predictions(run, tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    val = aclsum_source("val")
+    docs.write_text("".join(json.dumps({"article": val[i]["inputs"]}) + "\n" for i in range(2)))
+    out = tmp_path / "pred.jsonl"
+    argv = ["--checkpoint", str(run), "--input", str(docs), "--output", str(out)]
+    assert predict.main([*argv, "--max_length", "32"]) == 0
+    assert "truncated to the first 255 and EOS" in capsys.readouterr().err
+    ours = [json.loads(x) for x in out.read_text().splitlines()]
+    evaluated = (run / "eval" / "step_4" / "val_predictions.jsonl").read_text().splitlines()
+    assert [r["id"] for r in ours] == ["1", "2"]  # line numbers when records have no id
+    assert [r["prediction"] for r in ours] == [json.loads(x)["prediction"] for x in evaluated[:2]]
+
+    # A checkpoint without a tokenizer (converted, or copied without it) says what to pass.
+    bare = tmp_path / "bare" / "4"
+    shutil.copytree(run / "checkpoints" / "4", bare)
+    shutil.rmtree(bare / "tokenizer")
+    text = tmp_path / "doc.txt"
+    text.write_text(val[0]["inputs"])
+    argv = ["--checkpoint", str(bare), "--input", str(text), "--output", str(tmp_path / "t.jsonl")]
+    assert predict.main(argv) == 2
+    assert "holds no tokenizer" in capsys.readouterr().err
+    tokenizer = load_tokenizer(DataConfig(tokenizer_vocab_size=2000))
+    assert predict.main([*argv, "--tokenizer", str(tokenizer.path), "--max_length", "32"]) == 0
+    (row,) = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert row == {"id": "doc", "prediction": ours[0]["prediction"]}
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"article": "text"}', '{"article": "  "}'], "empty documents on line(s) 2"),
+        (['{"text": "a"}'], "expected a JSON object with a text field 'article'"),
+        (["not json"], "expected a JSON object"),
+    ],
+)
+def test_predict_bad_documents_are_one_line(run, tmp_path, capsys, lines, message):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("kept\n")
+    argv = ["--checkpoint", str(run), "--input", str(docs), "--output", str(out)]
+    assert predict.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert out.read_text() == "kept\n"  # a failed run leaves what was there
+
+
+def test_evaluate_bad_arguments_are_one_line(run, tmp_path, capsys):
+    assert evaluate.main(["--checkpoint", str(tmp_path / "none")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert evaluate.main(["--checkpoint", str(run)]) == 2
+    assert "--gin_file is required" in capsys.readouterr().err
+    argv = [f"--gin_file={run}/config.gin", f"--checkpoint={run}", "--split=nope"]
+    assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 2
+    assert "aclsum has no split 'nope'" in capsys.readouterr().err
