@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longt5_jax import hf
+from longt5_jax.bench.torch_reference import torch_longt5
 from longt5_jax.model import LongT5, LongT5Config
 
 
@@ -49,18 +49,7 @@ def padded_batch(
 
 def torch_model(config: LongT5Config, params):
     """transformers' LongT5ForConditionalGeneration holding exactly `params`, in eval mode."""
-    import torch
-    import transformers
-
-    model = transformers.LongT5ForConditionalGeneration(
-        transformers.LongT5Config(**hf.config_to_hf(config))
-    )
-    state = {k: torch.from_numpy(v.copy()) for k, v in hf.to_hf(config, params).items()}
-    state["encoder.embed_tokens.weight"] = state["decoder.embed_tokens.weight"] = state[
-        "shared.weight"
-    ]
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    return torch_longt5(config, params)
 
 
 def max_rel(ours, ref, where=None) -> tuple[float, float]:

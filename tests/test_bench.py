@@ -46,3 +46,16 @@ def test_pipeline_benchmark_writes_rows(tmp_path):
     (row,) = report["rows"]
     assert (row["stages"], row["microbatches"], row["repeats"]) == (2, 2, 1)
     assert row["theory_idle"] == 1 / 3 and row["temp_bytes"] > 0 and row["step_s"] > 0
+
+
+@pytest.mark.slow
+def test_decode_benchmark_races_transformers_on_the_same_tokens(tmp_path):
+    from longt5_jax.bench import decode
+
+    argv = ["--preset", "tiny", "--input_length", "256", "--max_length", "8", "--beams", "1", "3"]
+    assert decode.main([*argv, "--repeats", "1", "--out_dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert [r["beams"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["same_tokens"] and 0 < row["decoded_tokens"] <= 8
+        assert row["summaries_per_s"] == 1 / row["seconds"] and row["speedup"] > 0

@@ -172,8 +172,28 @@ def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 60 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    train_rows = [r for r in rows if "loss" in r]
+    assert train_rows[-1]["step"] == 60 and train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0
     assert "8 devices" in out.stdout and (tmp_path / "checkpoints" / "60").is_dir()
+    evals = {r["step"]: r for r in rows if "eval/loss" in r}
+    assert sorted(evals) == [30, 60] and evals[60]["eval/loss"] < evals[30]["eval/loss"]
+    assert "eval/rouge1" in evals[60] and evals[60]["eval/tokens"] > 1000
+
+    # Then the README's evaluation and inference commands on that checkpoint.
+    evaluate = [sys.executable, "-m", "longt5_jax.evaluate", f"--gin_file={tmp_path}/config.gin"]
+    out = subprocess.run(
+        [*evaluate, f"--checkpoint={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads((tmp_path / "eval" / "step_60" / "val_metrics.json").read_text())
+    assert metrics["examples"] == 50 and metrics["rougeLsum"] > 0
+    np.testing.assert_allclose(metrics["eval_loss"], evals[60]["eval/loss"], rtol=1e-5)
+    predictions = (tmp_path / "eval" / "step_60" / "val_predictions.jsonl").read_text()
+    assert len(predictions.splitlines()) == 50
 
 
 @pytest.mark.slow

@@ -1,0 +1,168 @@
+"""Decoding throughput: summaries/s of long documents, greedy and beam search, against
+transformers' `generate` on the same weights, inputs and device, measured in the same run.
+
+Both decode the same random-weight model to the same tokens (our decoding matches `generate`
+token for token), so they do the same work; runs alternate so that drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from longt5_jax.bench import torch_reference
+from longt5_jax.decode import DecodeConfig, generate
+from longt5_jax.model import LongT5, LongT5Config
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m longt5_jax.bench decode", description=__doc__)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
+    p.add_argument("--input_length", type=int, default=4096)
+    p.add_argument("--max_length", type=int, default=128, help="summary tokens decoded")
+    p.add_argument("--batch_size", type=int, default=1, help="documents per call")
+    p.add_argument("--beams", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no_reference", action="store_true", help="skip transformers")
+    p.add_argument("--out_dir", default="bench_out")
+    return p.parse_args(argv)
+
+
+def _params(config: LongT5Config, seed: int = 0):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    ids = jnp.ones((1, 1), jnp.int32)
+    init = jax.jit(lambda k: nn.unbox(LongT5(config).init(k, ids, None, ids))["params"])
+    return init(jax.random.key(seed))
+
+
+def _ours(model, params, ids, mask, beams, length):
+    cfg = DecodeConfig(num_beams=beams)
+
+    def run():
+        tokens, _ = generate(model, params, ids, mask, cfg, length)
+        return np.asarray(jax.device_get(tokens))
+
+    return run
+
+
+def _theirs(torch_model, ids, mask, beams, length):
+    import torch
+
+    ids_t, mask_t = torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
+
+    def run():
+        with torch.inference_mode():
+            out = torch_model.generate(
+                input_ids=ids_t,
+                attention_mask=mask_t,
+                max_new_tokens=length,
+                min_length=0,
+                do_sample=False,
+                num_beams=beams,
+            )
+        return out.numpy()[:, 1:]
+
+    return run
+
+
+def _timed(fn) -> tuple[float, np.ndarray]:
+    began = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - began, out
+
+
+def _decoded(tokens: np.ndarray, eos: int) -> float:
+    """Mean tokens per summary up to and including EOS."""
+    lengths = [(np.flatnonzero(r == eos)[0] + 1) if (r == eos).any() else len(r) for r in tokens]
+    return float(np.mean(lengths))
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    config = LongT5Config.preset(args.preset, args.attention)
+    model, params = LongT5(config), _params(config)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, config.vocab_size, (args.batch_size, args.input_length)).astype(np.int32)
+    mask = np.ones_like(ids)
+    reference = not args.no_reference and torch_reference.available()
+    if reference:
+        import torch
+
+        torch_model = torch_reference.torch_longt5(config, jax.device_get(params))
+        print(f"transformers on {torch.get_num_threads()} threads; ours on {jax.devices()[0]}")
+    rows = []
+    print(
+        f"{'beams':>5} {'ours s':>8} {'summ/s':>7} {'tok/s':>7} {'compile s':>9} "
+        f"{'hf s':>8} {'hf summ/s':>9} {'speed-up':>8} {'spread':>7}"
+    )
+    for beams in args.beams:
+        ours = _ours(model, params, ids, mask, beams, args.max_length)
+        compile_s, tokens = _timed(ours)
+        theirs = _theirs(torch_model, ids, mask, beams, args.max_length) if reference else None
+        times, ref_times = [], []
+        for _ in range(args.repeats):  # alternate: drift hits both alike
+            seconds, tokens = _timed(ours)
+            times.append(seconds)
+            if theirs is not None:
+                seconds, ref_tokens = _timed(theirs)
+                ref_times.append(seconds)
+        mean = statistics.median(times)
+        row = {
+            "beams": beams,
+            "seconds": mean,
+            "summaries_per_s": args.batch_size / mean,
+            "decoded_tokens": _decoded(tokens, config.eos_id),
+            "compile_and_first_s": compile_s,
+            "times": times,
+        }
+        row["tokens_per_s"] = row["decoded_tokens"] * args.batch_size / mean
+        line = (
+            f"{beams:>5} {mean:>8.2f} {row['summaries_per_s']:>7.3f} {row['tokens_per_s']:>7.1f} "
+            f"{compile_s:>9.1f}"
+        )
+        if ref_times:
+            ratios = [r / t for r, t in zip(ref_times, times, strict=True)]
+            ref = statistics.median(ref_times)
+            row |= {
+                "reference_seconds": ref,
+                "reference_times": ref_times,
+                "speedup": statistics.median(ratios),
+                "speedup_range": [min(ratios), max(ratios)],
+                "same_tokens": bool(_same(tokens, ref_tokens, config)),
+            }
+            line += (
+                f" {ref:>8.2f} {args.batch_size / ref:>9.3f} {row['speedup']:>7.2f}x "
+                f"{min(ratios):.2f}-{max(ratios):.2f}"
+            )
+        rows.append(row)
+        print(line, flush=True)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "device": str(jax.devices()[0]),
+        "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "rows": rows,
+    }
+    (out / "decode.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'decode.json'}")
+    return 0
+
+
+def _same(ours: np.ndarray, theirs: np.ndarray, config: LongT5Config) -> bool:
+    """Token-for-token equal up to each EOS (transformers pads after EOS with EOS)."""
+    width = ours.shape[1]
+    theirs = np.pad(theirs, [(0, 0), (0, width - theirs.shape[1])], constant_values=config.pad_id)
+    for row in theirs:
+        eos = np.flatnonzero(row == config.eos_id)
+        if eos.size:
+            row[eos[0] + 1 :] = config.pad_id
+    return np.array_equal(ours, theirs)

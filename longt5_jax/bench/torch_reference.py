@@ -1,0 +1,35 @@
+"""transformers' PyTorch LongT5 holding our parameters: the reference the benchmarks race.
+
+Needs the `test` extra (torch, transformers 4.x, which keeps LongT5's LM head untied).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from longt5_jax import hf
+from longt5_jax.model import LongT5Config
+
+
+def available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def torch_longt5(config: LongT5Config, params: Any):
+    """LongT5ForConditionalGeneration with exactly `params`, in eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.LongT5ForConditionalGeneration(
+        transformers.LongT5Config(**hf.config_to_hf(config))
+    )
+    state = {k: torch.from_numpy(v.copy()) for k, v in hf.to_hf(config, params).items()}
+    for tied in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+        state[tied] = state["shared.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.eval()
