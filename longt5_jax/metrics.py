@@ -1,4 +1,5 @@
-"""Training metrics: a progress line, TensorBoard scalars and MODEL_DIR/metrics.jsonl."""
+"""Training metrics: a progress line, TensorBoard scalars, MODEL_DIR/metrics.jsonl and, opted in,
+a Prometheus endpoint; and a profiler trace of chosen steps."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -20,11 +22,18 @@ class MetricsWriter:
         total_steps: int,
         enabled: bool | None = None,
         resume_step: int = 0,
+        exporter: Any = None,
+        flops_per_step: float = 0.0,
+        peak_flops: float = 0.0,
     ):
+        """`exporter` (a PrometheusExporter) serves every row on this process; MFU is logged
+        when both the model FLOPs of a step and the devices' total peak FLOP/s are known."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.total_steps = total_steps
+        self.exporter, self.flops_per_step, self.peak_flops = exporter, flops_per_step, peak_flops
         self._last: tuple[int, float] | None = None
         self._tokens = 0.0
+        self._spent: dict[str, float] = {}
         if self.enabled:
             from tensorboardX import SummaryWriter
 
@@ -42,7 +51,16 @@ class MetricsWriter:
 
     def start(self, step: int) -> None:
         """Begin timing at `step` (after compilation, so the first rate is not skewed)."""
-        self._last, self._tokens = (step, time.perf_counter()), 0.0
+        self._last, self._tokens, self._spent = (step, time.perf_counter()), 0.0, {}
+
+    @contextlib.contextmanager
+    def timing(self, kind: str) -> Iterator[None]:
+        """Count the time inside as `kind` ('data' waiting for a batch, 'checkpoint' saving)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._spent[kind] = self._spent.get(kind, 0.0) + time.perf_counter() - began
 
     def add_tokens(self, tokens: float) -> None:
         self._tokens += tokens
@@ -51,21 +69,30 @@ class MetricsWriter:
         now = time.perf_counter()
         last_step, last_time = self._last or (step, now)
         seconds = max(now - last_time, 1e-9)
+        steps = step - last_step
         row = {
             "step": step,
             **{k: float(v) for k, v in metrics.items()},
             "tokens_per_second": self._tokens / seconds,
-            "steps_per_second": (step - last_step) / seconds,
+            "steps_per_second": steps / seconds,
+            "step_seconds": seconds / max(steps, 1),
+            "data_wait_seconds": self._spent.get("data", 0.0) / max(steps, 1),
+            "checkpoint_seconds": self._spent.get("checkpoint", 0.0),
         }
+        if self.flops_per_step and self.peak_flops and steps:
+            row["mfu"] = self.flops_per_step * row["steps_per_second"] / self.peak_flops
         self.start(step)
+        if self.exporter is not None:
+            self.exporter.update(row)
         if not self.enabled:
             return row
         rate = row["steps_per_second"]
         eta = f"{(self.total_steps - step) / rate / 60:.1f} min" if rate > 0 else "n/a"
+        mfu = f"  MFU {row['mfu']:.1%}" if "mfu" in row else ""
         print(
             f"step {step:>6}/{self.total_steps}  loss {row['loss']:.4f}  "
             f"lr {row.get('learning_rate', 0):.2e}  grad_norm {row.get('grad_norm', 0):.3f}  "
-            f"{row['tokens_per_second']:,.0f} tokens/s  ETA {eta}",
+            f"{row['tokens_per_second']:,.0f} tokens/s{mfu}  ETA {eta}",
             flush=True,
         )
         self._jsonl.write(json.dumps(row) + "\n")
@@ -89,9 +116,16 @@ class MetricsWriter:
     def write_eval(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """An evaluation row ('eval/...' metrics) in the same logs as the training rows."""
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        if self.exporter is not None:
+            self.exporter.update(metrics)
         if not self.enabled or not metrics:
             return row
-        shown = "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in metrics.items())
+        shown = "  ".join(
+            f"{k.removeprefix('eval/')} {v:,.0f}"
+            if k == "eval/tokens"
+            else f"{k.removeprefix('eval/')} {v:.4f}"
+            for k, v in metrics.items()
+        )
         print(f"eval {step:>6}/{self.total_steps}  {shown}", flush=True)
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
@@ -101,6 +135,38 @@ class MetricsWriter:
         return row
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+# Dense bfloat16 peak FLOP/s per device, by a piece of the device kind's name.
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "V100": 125e12, "TPU v4": 275e12}
+
+
+def peak_flops(devices: list, per_device_override: float = 0.0) -> float:
+    """Total peak FLOP/s of `devices` (0 when unknown, e.g. CPUs: then no MFU is logged)."""
+    if per_device_override:
+        return per_device_override * len(devices)
+    kind = getattr(devices[0], "device_kind", "")
+    return next((v * len(devices) for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
+
+
+class StepProfiler:
+    """A jax.profiler trace of steps first .. first + count - 1 into MODEL_DIR/profile."""
+
+    def __init__(self, model_dir: str | Path, first: int, count: int):
+        self.dir, self.first, self.last = Path(model_dir) / "profile", first, first + count - 1
+
+    def before(self, step: int) -> None:
+        if self.first and step == self.first:
+            jax.profiler.start_trace(str(self.dir))
+
+    def after(self, step: int, state: Any) -> None:
+        if self.first and step == self.last:
+            jax.block_until_ready(state)  # the traced steps' device work, not just dispatch
+            jax.profiler.stop_trace()
+            if jax.process_index() == 0:
+                print(f"profile of steps {self.first}-{self.last} in {self.dir}", flush=True)

@@ -13,6 +13,14 @@ class RunConfig:
     seed: int = 0
     # On a CPU-only machine, run on this many fake devices (0: use the real devices).
     cpu_devices: int = 0
+    # Opt-in Prometheus /metrics on prometheus_host:(prometheus_port + process index); 0: off.
+    prometheus_port: int = 0
+    prometheus_host: str = "127.0.0.1"
+    # Per-device peak FLOP/s for MFU; 0 takes the known peak of A100/H100/H200 (bf16 dense).
+    peak_flops_per_device: float = 0.0
+    # A jax.profiler trace of steps profile_start .. + profile_steps - 1 (0: none).
+    profile_start: int = 0
+    profile_steps: int = 3
 
     def __post_init__(self):
         if not self.model_dir:
@@ -20,6 +28,9 @@ class RunConfig:
                 "RunConfig.model_dir is empty: set MODEL_DIR, e.g. "
                 "--gin.MODEL_DIR=\\\"'/tmp/run'\\\""
             )
-        for name in ("train_steps", "log_every"):
+        for name in ("prometheus_port", "profile_start", "peak_flops_per_device"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RunConfig.{name}={getattr(self, name)}: expected >= 0")
+        for name in ("train_steps", "log_every", "profile_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name}={getattr(self, name)}: expected >= 1")

@@ -55,7 +55,6 @@ def train(cfg: dict) -> dict:
     from longt5_jax.checkpoint import Checkpoints, abstract_like, resolve, restore_params
     from longt5_jax.data.pipeline import load_tokenizer, make_dataset
     from longt5_jax.evaluation import PeriodicEval
-    from longt5_jax.metrics import MetricsWriter
     from longt5_jax.model import LongT5, count_params
     from longt5_jax.optim import make_optimizer
     from longt5_jax.parallel.mesh import make_mesh
@@ -98,7 +97,7 @@ def train(cfg: dict) -> dict:
             (model_dir / "config.gin").write_text(configuration.operative_config())
             if note:
                 print(note, flush=True)
-        writer = MetricsWriter(model_dir, run.train_steps, resume_step=start)
+        writer = _metrics_writer(cfg, start)
         evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step)
         try:
             return _loop(cfg, step, state, batches, checkpoints, writer, start, evaluate)
@@ -106,6 +105,37 @@ def train(cfg: dict) -> dict:
             writer.close()
     finally:
         checkpoints.close()
+
+
+def _metrics_writer(cfg: dict, start: int):
+    """Logs, TensorBoard, the opt-in Prometheus endpoint, and MFU where the peak is known."""
+    import jax
+
+    from longt5_jax.configuration import ConfigError
+    from longt5_jax.flops import train_flops_per_step
+    from longt5_jax.metrics import MetricsWriter, peak_flops
+
+    run, data = cfg["run"], cfg["data"]
+    exporter = None
+    if run.prometheus_port:
+        from longt5_jax.prometheus import PrometheusExporter
+
+        try:
+            exporter = PrometheusExporter(
+                run.prometheus_port, run.prometheus_host, jax.process_index()
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return MetricsWriter(
+        run.model_dir,
+        run.train_steps,
+        resume_step=start,
+        exporter=exporter,
+        flops_per_step=train_flops_per_step(
+            cfg["model"], data.batch_size, data.input_length, data.target_length
+        ),
+        peak_flops=peak_flops(jax.devices(), run.peak_flops_per_device),
+    )
 
 
 class NonFiniteError(RuntimeError):
@@ -122,6 +152,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
 
     from longt5_jax import configuration
     from longt5_jax.data.pipeline import global_batch
+    from longt5_jax.metrics import StepProfiler
     from longt5_jax.optim import learning_rate_at
 
     run, skip = cfg["run"], cfg["step"].skip_nonfinite
@@ -131,13 +162,17 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
         "model": dataclasses.asdict(cfg["model"]),
     }
     terminated = _on_sigterm()
+    profiler = StepProfiler(run.model_dir, run.profile_start, run.profile_steps)
     row, bad_steps, pending = {}, 0, []
     for i in range(start, run.train_steps):
-        local = next(batches)
+        with writer.timing("data"):
+            local = next(batches)
+        profiler.before(i + 1)
         # Counted on the host copy: reading the global arrays would stall the step pipeline.
         tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
         batch = global_batch(local, step.batch_sharding)
         state, metrics = step(state, batch, None if rng is None else jax.random.fold_in(rng, i))
+        profiler.after(i + 1, state)
         # The previous step's flag is ready by now: reading it does not stall the pipeline.
         bad_steps += _nonfinite(pending, skip)
         pending = [(i + 1, metrics["nonfinite"])]
@@ -161,7 +196,8 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
         if last or checkpoints.due(i + 1):
             bad_steps += _nonfinite(pending, skip)  # never save a state that went non-finite
             pending = []
-            checkpoints.save(i + 1, state, batches, config, force=True)
+            with writer.timing("checkpoint"):
+                checkpoints.save(i + 1, state, batches, config, force=True)
         if stop:
             print(f"SIGTERM: saved step {i + 1}; rerun the same command to resume", flush=True)
             break
@@ -231,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(cfg)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -109,7 +109,9 @@ def _hf_beams(config, params, batch, beams, penalty, early):
     return tokens, out.sequences_scores.numpy()
 
 
-@pytest.mark.parametrize("attention", ["local", "transient-global"])
+@pytest.mark.parametrize(
+    "attention", [pytest.param("local", marks=pytest.mark.slow), "transient-global"]
+)
 def test_beam_search_equals_transformers_generate(attention):
     config, params, batch = _setup(attention)
     model = LongT5(config)
@@ -158,6 +160,7 @@ def test_tokens_tied_at_the_threshold_are_all_kept():
     assert np.isfinite(filter_logits(logits, 0, 0.6)).sum() == 4  # 3.0 holds < 0.6 of the mass
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     config, params, batch = _setup("local")
     model = LongT5(config)
@@ -172,7 +175,7 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy():
     assert (first != greedy).any() and (first != other).any()
 
 
-@pytest.mark.parametrize("beams", [1, 3])
+@pytest.mark.parametrize("beams", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_decoding_on_a_data_tensor_mesh_equals_one_device(beams):
     from longt5_jax.inference import Generator, param_shardings
     from longt5_jax.parallel.mesh import MeshConfig, make_mesh

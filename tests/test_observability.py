@@ -1,0 +1,88 @@
+"""Live metrics: a real HTTP scrape of the Prometheus endpoint during a run, the timing and MFU
+figures in the logs, and a profiler trace of chosen steps."""
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+from test_train import TINY_RUN
+
+from longt5_jax import train
+from longt5_jax.metrics import peak_flops
+from longt5_jax.prometheus import PrometheusExporter
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("longt5_") and '{process="0"}' in line:
+            name, value = line.split('{process="0"} ')
+            values[name] = float(value)
+    return values
+
+
+@pytest.mark.slow
+def test_prometheus_serves_the_logged_metrics_during_a_run(tmp_path):
+    port = _free_port()
+    argv = [
+        *TINY_RUN,
+        "--gin.RunConfig.train_steps=12",
+        "--gin.OptimizerConfig.total_steps=12",
+        f"--gin.RunConfig.prometheus_port={port}",
+        "--gin.RunConfig.peak_flops_per_device=1e12",
+        "--gin.RunConfig.profile_start=3",
+        "--gin.RunConfig.profile_steps=2",
+        f"--gin.MODEL_DIR='{tmp_path}'",
+    ]
+    result = {}
+    run = threading.Thread(target=lambda: result.setdefault("rc", train.main(argv)))
+    run.start()
+    scraped = {}
+    while run.is_alive() and scraped.get("longt5_step", 0) < 3:
+        with contextlib.suppress(OSError):  # not listening yet
+            scraped = _scrape(port)
+        time.sleep(0.2)
+    run.join()
+    assert result["rc"] == 0
+    assert scraped.get("longt5_step", 0) >= 3, "no scrape caught the run"
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").open())}
+    row = rows[int(scraped["longt5_step"])]
+    for key in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"):
+        assert scraped[f"longt5_{key}"] == pytest.approx(row[key], rel=1e-6), key
+    for key in ("step_seconds", "data_wait_seconds", "checkpoint_seconds"):
+        assert key in row and row[key] >= 0
+    assert row["mfu"] > 0 and row["step_seconds"] > row["data_wait_seconds"]
+    assert any(tmp_path.glob("profile/**/*.xplane.pb")), "no trace of steps 3-4"
+    with pytest.raises(OSError):  # the endpoint closes with the run
+        _scrape(port)
+
+
+def test_the_endpoint_refuses_a_taken_port_in_one_line():
+    port = _free_port()
+    first = PrometheusExporter(port, "127.0.0.1", 0)
+    try:
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            PrometheusExporter(port, "127.0.0.1", 0)
+    finally:
+        first.close()
+
+
+def test_peak_flops_known_for_gpus_and_unknown_for_cpus():
+    class Device:
+        device_kind = "NVIDIA A100-SXM4-80GB"
+
+    assert peak_flops([Device()] * 4) == 4 * 312e12
+    assert peak_flops([object()]) == 0.0
+    assert peak_flops([object()] * 2, 5e12) == 1e13
