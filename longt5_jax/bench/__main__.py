@@ -1,10 +1,16 @@
-"""python -m longt5_jax.bench {data,pipeline} [options]   (each with --help)."""
+"""python -m longt5_jax.bench {data,decode,pipeline,speed,strategy} [options]   (each with --help)."""
 
 import sys
 
-from longt5_jax.bench import data, pipeline
+from longt5_jax.bench import data, decode, pipeline, speed, strategy
 
-BENCHMARKS = {"data": data.main, "pipeline": pipeline.main}
+BENCHMARKS = {
+    "data": data.main,
+    "decode": decode.main,
+    "pipeline": pipeline.main,
+    "speed": speed.main,
+    "strategy": strategy.main,
+}
 
 
 def main() -> int:
