@@ -1,4 +1,4 @@
-"""python -m longt5_jax.bench {data,decode,pipeline,speed,strategy} [options]   (each with --help)."""
+"""python -m longt5_jax.bench {data,decode,pipeline,speed,strategy} [options] (each: --help)."""
 
 import sys
 
