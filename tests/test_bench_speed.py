@@ -27,6 +27,7 @@ def _argv(tmp_path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_race_has_equal_first_losses_and_writes_rows(tmp_path):
     assert speed.main(_argv(tmp_path, "--race_lengths", "24", "--scaling_lengths")) == 0
     report = json.loads((tmp_path / "speed.json").read_text())

@@ -125,6 +125,7 @@ def test_beam_search_equals_transformers_generate(attention):
     assert (np.asarray(ours)[0] == config.eos_id).any() or (theirs == config.eos_id).any()
 
 
+@pytest.mark.slow
 def test_beam_search_with_one_beam_equals_greedy():
     config, params, batch = _setup("transient-global")
     model = LongT5(config)

@@ -13,6 +13,9 @@ from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer
 from longt5_jax.rouge import rouge
 
+# One short training run feeds every test here; together they take about a minute: slow run.
+pytestmark = pytest.mark.slow
+
 EVAL = [
     "--gin.EvalConfig.loss_every=4",
     "--gin.EvalConfig.loss_examples=4",
