@@ -26,18 +26,28 @@ from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import RMSNorm
 
 
-def split_blocks(x: jax.Array, w: int) -> jax.Array:
-    """[B, L, ...] -> [B, N, W, ...], zero-padding L up to a multiple of w."""
-    n = -(-x.shape[1] // w)
-    pad = [(0, 0), (0, n * w - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-    return jnp.pad(x, pad).reshape(x.shape[0], n, w, *x.shape[2:])
+def heads_major(x_BLHK: jax.Array) -> jax.Array:
+    """[B, L, H, K] -> [B, H, L, K]."""
+    return x_BLHK.transpose(0, 2, 1, 3)
 
 
-def concat_3_blocks(x: jax.Array) -> jax.Array:
-    """[B, N, W, ...] -> [B, N, 3W, ...]: each block with its two neighbours (zeros at the ends)."""
-    n = x.shape[1]
-    xp = jnp.pad(x, [(0, 0), (1, 1)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.concatenate([xp[:, :n], xp[:, 1 : n + 1], xp[:, 2:]], axis=2)
+def split_blocks(x: jax.Array, w: int, axis: int = 1) -> jax.Array:
+    """Split `axis` (length L) into [N, W], zero-padding L up to a multiple of w."""
+    n = -(-x.shape[axis] // w)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, n * w - x.shape[axis])
+    return jnp.pad(x, pad).reshape(*x.shape[:axis], n, w, *x.shape[axis + 1 :])
+
+
+def concat_3_blocks(x: jax.Array, axis: int = 1) -> jax.Array:
+    """Blocks [.., N, W, ..] at `axis` -> [.., N, 3W, ..]: each block with its two neighbours
+    (zeros at the ends)."""
+    n = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (1, 1)
+    xp = jnp.pad(x, pad)
+    parts = [jax.lax.slice_in_dim(xp, i, i + n, axis=axis) for i in range(3)]
+    return jnp.concatenate(parts, axis=axis + 1)
 
 
 def relative_positions_3block(w: int) -> jax.Array:
@@ -129,54 +139,60 @@ class LongSelfAttention(nn.Module):
         q_BLHK = nn.with_logical_constraint(self.query(x_BLD), HEADS)
         k_BLHK = nn.with_logical_constraint(self.key(x_BLD), HEADS)
         v_BLHK = nn.with_logical_constraint(self.value(x_BLD), HEADS)
-        q_BNWHK = split_blocks(q_BLHK, w)
-        k_BNXHK = concat_3_blocks(split_blocks(k_BLHK, w))
-        v_BNXHK = concat_3_blocks(split_blocks(v_BLHK, w))
+        # Heads-major blocks: every attention matmul then batches over leading (b, h, n) axes and
+        # the score tensors need no transposes, which on CPU cost as much as the matmuls.
+        q_BHNWK = split_blocks(heads_major(q_BLHK), w, axis=2)
+        k_BHNXK = concat_3_blocks(split_blocks(heads_major(k_BLHK), w, axis=2), axis=2)
+        v_BHNXK = concat_3_blocks(split_blocks(heads_major(v_BLHK), w, axis=2), axis=2)
 
         # Logits, biases and softmax in float32 whatever the compute dtype: in half precision the
         # -1e10 mask overflows and fully masked rows turn into NaN.
         mask_BNWX = local_mask(segment_ids, w)
-        local_BNHWX = jnp.einsum(
-            "bnwhk,bnxhk->bnhwx", q_BNWHK, k_BNXHK, preferred_element_type=jnp.float32
+        local_BHNWX = jnp.einsum(
+            "bhnwk,bhnxk->bhnwx", q_BHNWK, k_BHNXK, preferred_element_type=jnp.float32
         )
-        local_BNHWX = local_BNHWX + local_bias_HWX + jnp.where(mask_BNWX, 0.0, MASKED)[:, :, None]
-        logits = [local_BNHWX]
-        values = [("bnhwx,bnxhk->bnwhk", v_BNXHK)]
+        local_BHNWX = (
+            local_BHNWX + local_bias_HWX[:, None] + jnp.where(mask_BNWX, 0.0, MASKED)[:, None]
+        )
+        logits = [local_BHNWX]
+        values = [("bhnwx,bhnxk->bhnwk", v_BHNXK)]
 
         num_globals = length // c.global_block_size
         if blocks is not None:  # also when G = 0 (inputs shorter than a block), for the params
             agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
             g_BGD = self.global_input_layer_norm(agg_BGD)
-            side_k_BGHK, side_v_BGHK = self.key(g_BGD), self.value(g_BGD)
-            side_BNHWG = jnp.einsum(
-                "bnwhk,bghk->bnhwg", q_BNWHK, side_k_BGHK, preferred_element_type=jnp.float32
+            side_k_BHGK = heads_major(self.key(g_BGD))
+            side_v_BHGK = heads_major(self.value(g_BGD))
+            side_BHNWG = jnp.einsum(
+                "bhnwk,bhgk->bhnwg", q_BHNWK, side_k_BHGK, preferred_element_type=jnp.float32
             )
-            side_BNHWG = side_BNHWG + self._side_bias(
+            side_BHNWG = side_BHNWG + self._side_bias(
                 segment_ids, blocks, side_table_HR, num_globals
             )
-            logits.append(side_BNHWG)
-            values.append(("bnhwg,bghk->bnwhk", side_v_BGHK))
+            logits.append(side_BHNWG)
+            values.append(("bhnwg,bhgk->bhnwk", side_v_BHGK))
 
-        # One softmax over local and side keys without concatenating them.
+        # One softmax over local and side keys without concatenating them, normalised after the
+        # value matmuls: dividing the [.., W, K] output is 6-10x less memory traffic than
+        # dividing the [.., W, 3W + G] probabilities (dropout(e) / total = dropout(e / total)).
         peak = jnp.max(jnp.stack([jnp.max(s, axis=-1, initial=-jnp.inf) for s in logits]), axis=0)
         peak = peak[..., None]
         exps = [jnp.exp(s - peak) for s in logits]
         total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-        out_BNWHK = 0.0
+        out_BHNWK = 0.0
         for e, (spec, v) in zip(exps, values, strict=True):
-            probs = self.dropout(e / total, deterministic=self.deterministic).astype(
-                c.compute_dtype
-            )
-            out_BNWHK = out_BNWHK + jnp.einsum(spec, probs, v)
-        b, n = out_BNWHK.shape[:2]
-        out_BLHK = out_BNWHK.reshape(b, n * w, c.num_heads, c.d_kv)[:, :length]
+            e = self.dropout(e, deterministic=self.deterministic).astype(c.compute_dtype)
+            out_BHNWK = out_BHNWK + jnp.einsum(spec, e, v, preferred_element_type=jnp.float32)
+        out_BHNWK = (out_BHNWK / total).astype(c.compute_dtype)
+        b, h, n = out_BHNWK.shape[:3]
+        out_BLHK = out_BHNWK.reshape(b, h, n * w, c.d_kv)[:, :, :length].transpose(0, 2, 1, 3)
         out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
         return self.out(out_BLHK)
 
     def _side_bias(
         self, segment_ids: jax.Array, blocks: GlobalBlocks, table_HR: jax.Array, num_globals: int
     ) -> jax.Array:
-        """[B, N, H, W, G]: side relative-position bias plus the same-segment mask."""
+        """[B, H, N, W, G]: side relative-position bias plus the same-segment mask."""
         c, w = self.config, self.config.block_len
         block_ids_BNW = split_blocks(blocks.block_ids, w)
         seg_BNW = split_blocks(segment_ids, w)
@@ -184,6 +200,6 @@ class LongSelfAttention(nn.Module):
         buckets = relpos.relative_position_bucket(
             rel_BNWG, True, c.relpos_buckets, c.relpos_max_distance
         )
-        bias_BNHWG = relpos.lookup(table_HR, buckets)
+        bias_BHNWG = jnp.moveaxis(jnp.take(table_HR, buckets, axis=1), 0, 1)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
-        return bias_BNHWG + jnp.where(same_BNWG, 0.0, MASKED)[:, :, None]
+        return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]
