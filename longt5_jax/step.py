@@ -24,6 +24,7 @@ from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.sharding import activation_context, optimizer_shardings, tree_shardings
+from longt5_jax.xla_options import compiler_options
 
 Batch = dict[str, jax.Array]
 
@@ -208,6 +209,7 @@ class ShardedStep:
                 in_shardings=(self.state_shardings, self.batch_sharding, None),
                 out_shardings=(self.state_shardings, None),
                 donate_argnums=0,
+                compiler_options=compiler_options(self.mesh.devices.flat[0].platform),
             )
         return self._step
 

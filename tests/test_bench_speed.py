@@ -37,7 +37,7 @@ def test_race_has_equal_first_losses_and_writes_rows(tmp_path):
     # Same weights, batch and objective: the race is fair only if the first losses agree.
     np.testing.assert_allclose(row["first_loss"], row["reference_first_loss"], rtol=1e-4)
     assert report["mfu"][0]["mfu"] > 0 and report["scaling"] == []
-    assert report["plot"] in ("speed.png", "matplotlib is not importable: no plot")
+    assert report["plot"] == "no scaling rows: no plot"
 
 
 @pytest.mark.slow
@@ -48,3 +48,4 @@ def test_scaling_writes_rows(tmp_path):
     assert [r["input_length"] for r in report["scaling"]] == [16, 32]
     assert report["scaling"][1]["ratio_to_reference"]["median"] == 1.0
     assert all(r["full_attention_estimate_s"] > 0 for r in report["scaling"])
+    assert report["plot"] == "speed.png" and (tmp_path / "speed.png").stat().st_size > 0

@@ -31,3 +31,4 @@ def test_strategy_table_writes_rows(tmp_path, capsys):
     assert rows["TP+PP+DP"]["memory"]["arguments"] < rows["DP"]["memory"]["arguments"]
     assert all(0 < r["target_comm_share"] < 1 and r["samples_per_s"] > 0 for r in rows.values())
     assert "samples/s" in capsys.readouterr().out
+    assert (tmp_path / "strategy.png").stat().st_size > 0

@@ -1,13 +1,17 @@
-"""python -m longt5_jax.bench {data,decode,pipeline,speed,strategy} [options] (each: --help)."""
+"""python -m longt5_jax.bench {data,decode,pipeline,profile,speed,strategy} [options].
+
+Each benchmark takes --help.
+"""
 
 import sys
 
-from longt5_jax.bench import data, decode, pipeline, speed, strategy
+from longt5_jax.bench import data, decode, pipeline, profile, speed, strategy
 
 BENCHMARKS = {
     "data": data.main,
     "decode": decode.main,
     "pipeline": pipeline.main,
+    "profile": profile.main,
     "speed": speed.main,
     "strategy": strategy.main,
 }

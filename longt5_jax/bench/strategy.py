@@ -124,14 +124,11 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # imported here: it takes a second, and only the plot needs it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib==3.11.2)")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = [r["strategy"] for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     panels = [

@@ -1,6 +1,9 @@
 """Timed training steps (forward, backward, AdamW update; float32) of our model and of
 transformers' PyTorch LongT5 on the same weights and batch, and the device's matmul peak.
 
+transformers' step runs in a process of its own (`TorchProcess`), as anyone would run it: the
+frameworks share neither thread pools nor allocator state.
+
 Ours is the training code path: `ShardedStep`'s jitted step (donated state, compiled ahead of time
 once) on a one-device mesh with
 `optim.make_optimizer` AdamW. Both sides optimise the same objective, token-mean cross-entropy
@@ -9,6 +12,7 @@ without z-loss and without weight decay, so their first losses agree to float32 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 from typing import Any
@@ -110,6 +114,45 @@ class TorchStep:
         seconds = time.perf_counter() - began
         self.losses.append(float(loss.detach()))
         return seconds
+
+
+def _serve_torch_steps(conn, config, params, batch, threads) -> None:
+    """The child side of `TorchProcess`: one step per request, replying (seconds, loss)."""
+    step = TorchStep(config, params, batch, threads)
+    conn.send("ready")
+    while conn.recv() == "step":
+        seconds = step()
+        conn.send((seconds, step.losses[-1]))
+    conn.close()
+
+
+class TorchProcess:
+    """`TorchStep` in a spawned process, driven step by step; `close()` ends it."""
+
+    def __init__(self, config: LongT5Config, params: Any, batch: dict, threads: int):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        arrays = jax.tree.map(np.asarray, params)
+        self._process = context.Process(
+            target=_serve_torch_steps,
+            args=(child, config, arrays, {k: np.asarray(v) for k, v in batch.items()}, threads),
+            daemon=True,
+        )
+        self._process.start()
+        child.close()
+        if self._conn.recv() != "ready":
+            raise RuntimeError("the transformers step process did not start")
+        self.losses: list[float] = []
+
+    def __call__(self) -> float:
+        self._conn.send("step")
+        seconds, loss = self._conn.recv()
+        self.losses.append(loss)
+        return seconds
+
+    def close(self) -> None:
+        self._conn.send("stop")
+        self._process.join(timeout=60)
 
 
 def peak_matmul_flops(size: int = 2048, chain: int = 4, repeats: int = 5) -> dict:

@@ -1,0 +1,166 @@
+"""Where a train step's time goes: one traced step, its XLA ops joined with the compiled HLO.
+
+`jax.profiler` traces one step of our train step after warm-up. XLA:CPU runs independent ops
+concurrently on its threads, so each op's wall time is shared among the ops running at the same
+instant: the rows then sum to the step's busy time, and the rest of the step is idle (the gaps
+between ops). Each op is named by the model path in its HLO metadata (encoder or decoder, the
+layer's module) and its kind (a matmul fusion or anything else), and the top ops are listed with
+their output shapes, so a slow step points at the tensors that make it slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+from pathlib import Path
+
+import jax
+
+from longt5_jax.bench import train_steps as ts
+from longt5_jax.model import LongT5Config
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$", re.M)
+_COMPUTATION = re.compile(r"^%?([\w.\-]+) \(.*?^}", re.M | re.S)
+_MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m longt5_jax.bench profile", description=__doc__)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--remat", default="none", choices=["none", "full", "save_dots"])
+    p.add_argument("--input_length", type=int, default=4096)
+    p.add_argument("--target_length", type=int, default=256)
+    p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--top", type=int, default=20, help="ops listed one by one")
+    p.add_argument("--out_dir", default="bench_out")
+    return p.parse_args(argv)
+
+
+def hlo_ops(hlo_text: str) -> dict[str, dict]:
+    """Instruction name -> output shape, model path (HLO metadata) and whether it is a matmul."""
+    bodies = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo_text)}
+    ops = {}
+    for m in _INSTR.finditer(hlo_text):
+        name, shape, opcode, rest = m.groups()
+        path = re.search(r'op_name="([^"]*)"', rest)
+        calls = re.search(r"calls=%([\w.\-]+)", rest)
+        body = bodies.get(calls.group(1), "") if calls else ""
+        matmul = opcode == "dot" or name.startswith(_MATMUL_NAMES) or " dot(" in body
+        ops[name] = {"shape": shape, "path": path.group(1) if path else "", "matmul": matmul}
+    return ops
+
+
+def wall_shares(events: list[dict]) -> tuple[dict[int, float], float, float]:
+    """Each event's share of wall time (split evenly among concurrent events), idle and span.
+
+    `events` are complete trace events (ts, dur in microseconds); returns shares by index.
+    """
+    points = sorted(
+        [(e["ts"], 1, i) for i, e in enumerate(events)]
+        + [(e["ts"] + e["dur"], -1, i) for i, e in enumerate(events)]
+    )
+    share: dict[int, float] = collections.defaultdict(float)
+    active: set[int] = set()
+    idle, last = 0.0, None
+    for t, kind, i in points:
+        if last is not None:
+            if active:
+                for a in active:
+                    share[a] += (t - last) / len(active)
+            else:
+                idle += t - last
+        last = t
+        (active.add if kind == 1 else active.discard)(i)
+    span = points[-1][0] - points[0][0] if points else 0.0
+    return dict(share), idle, span
+
+
+def group_of(path: str, matmul: bool) -> str:
+    """'encoder attention matmul'-style row name from an op's model path."""
+    stack = "encoder" if "encode" in path else "decoder" if "decode" in path else "outside stacks"
+    module = re.search(r"layers/([a-z_]+)", path)
+    where = module.group(1) if module else ("optimizer/loss/other" if not path else "")
+    return " ".join(x for x in (stack, where, "matmul" if matmul else "other") if x)
+
+
+def breakdown(trace: dict, hlo_text: str, top: int) -> dict:
+    """Rows by model part and the `top` single ops, in milliseconds of wall time."""
+    ops = hlo_ops(hlo_text)
+    events = [
+        e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") in ops
+    ]  # XLA ops only (not the host-side frames and runtime regions around them)
+    share, idle, span = wall_shares(events)
+    by_group: dict[str, float] = collections.defaultdict(float)
+    by_op: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.Counter(e["name"] for e in events)
+    for i, s in share.items():
+        op = ops[events[i]["name"]]
+        by_group[group_of(op["path"], op["matmul"])] += s
+        by_op[events[i]["name"]] += s
+    rows = sorted(by_group.items(), key=lambda kv: -kv[1])
+    top_ops = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "span_ms": span / 1e3,
+        "idle_ms": idle / 1e3,
+        "groups": [{"group": g, "ms": v / 1e3} for g, v in rows],
+        "top_ops": [
+            {
+                "op": n,
+                "ms": v / 1e3,
+                "calls": calls[n],
+                "shape": ops[n]["shape"],
+                "matmul": ops[n]["matmul"],
+                "path": ops[n]["path"],
+            }
+            for n, v in top_ops
+        ],
+    }
+
+
+def _print(report: dict) -> None:
+    b = report["breakdown"]
+    busy = b["span_ms"] - b["idle_ms"]
+    print(
+        f"step {report['step_s']:.2f} s untraced; traced span {b['span_ms']:.0f} ms, "
+        f"busy {busy:.0f} ms, idle {b['idle_ms']:.0f} ms"
+    )
+    print(f"{'ms':>9} {'share':>6}  part")
+    for r in b["groups"]:
+        print(f"{r['ms']:>9.1f} {r['ms'] / b['span_ms']:>6.1%}  {r['group']}")
+    print(f"\n{'ms':>9} {'calls':>5}  {'op':<30} {'shape':<34} path")
+    for r in b["top_ops"]:
+        print(f"{r['ms']:>9.1f} {r['calls']:>5}  {r['op']:<30} {r['shape']:<34} {r['path'][-70:]}")
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    config = LongT5Config.preset(args.preset, args.attention, dtype=args.dtype, remat=args.remat)
+    batch = ts.features(config, args.batch_size, args.input_length, args.target_length)
+    step = ts.OursStep(config, batch)
+    step()  # warm-up
+    seconds = step()
+    out = Path(args.out_dir)
+    trace_dir = out / "profile_trace"
+    with jax.profiler.trace(str(trace_dir)):
+        step()
+    traces = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
+    if not traces:
+        raise SystemExit(f"bench profile: the profiler wrote no trace under {trace_dir}")
+    with gzip.open(traces[-1]) as f:
+        trace = json.load(f)
+    report = {
+        "device": str(jax.devices()[0]),
+        "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "step_s": seconds,
+        "trace": str(traces[-1]),
+        "breakdown": breakdown(trace, step.compiled.as_text(), args.top),
+    }
+    _print(report)
+    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'profile.json'} (trace: {traces[-1]})")
+    return 0

@@ -1,0 +1,72 @@
+"""The step profile: wall-time shares of concurrent ops, HLO joins, and a traced tiny step."""
+
+import json
+
+import pytest
+
+from longt5_jax.bench import profile
+
+
+def test_concurrent_ops_share_wall_time_and_gaps_are_idle():
+    events = [
+        {"name": "a", "ts": 0.0, "dur": 10.0},
+        {"name": "b", "ts": 5.0, "dur": 10.0},  # overlaps a for 5 us
+        {"name": "c", "ts": 20.0, "dur": 4.0},  # after a 5 us gap
+    ]
+    share, idle, span = profile.wall_shares(events)
+    assert share == {0: 7.5, 1: 7.5, 2: 4.0}
+    assert idle == 5.0 and span == 24.0
+    assert sum(share.values()) + idle == span
+
+
+ENC = "jit(train_step)/LongT5.encode/encoder/while/body/layers/mlp/mul"
+DEC = "jit(train_step)/LongT5.decode/decoder/while/body/layers/self_attention/query/dot_general"
+HLO = "\n".join(
+    [
+        "%fused_computation.1 (p: f32[4,8]) -> f32[4,4] {",
+        "  %p = f32[4,8]{1,0} parameter(0)",
+        "  ROOT %d = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, "
+        + "rhs_contracting_dims={1}",
+        "}",
+        "",
+        "ENTRY %main (x: f32[4,8]) -> f32[4,4] {",
+        "  %x = f32[4,8]{1,0} parameter(0)",
+        "  %loop_fusion.3 = f32[4,8]{1,0} fusion(%x), kind=kLoop, calls=%fused_computation.2, "
+        + f'metadata={{op_name="{ENC}"}}',
+        "  ROOT %gemm_fusion.1 = f32[4,4]{1,0} fusion(%loop_fusion.3), kind=kOutput, "
+        + f'calls=%fused_computation.1, metadata={{op_name="{DEC}"}}',
+        "}",
+    ]
+)
+
+
+def test_ops_are_named_by_model_path_and_kind():
+    ops = profile.hlo_ops(HLO)
+    assert ops["gemm_fusion.1"]["matmul"] and not ops["loop_fusion.3"]["matmul"]
+    assert ops["gemm_fusion.1"]["shape"] == "f32[4,4]{1,0}"
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "name": "loop_fusion.3", "ts": 0.0, "dur": 3000.0},
+            {"ph": "X", "name": "gemm_fusion.1", "ts": 3000.0, "dur": 1000.0},
+            {"ph": "X", "name": "ThunkExecutor::Execute", "ts": 0.0, "dur": 4000.0},
+        ]
+    }
+    b = profile.breakdown(trace, HLO, top=5)
+    assert b["groups"] == [
+        {"group": "encoder mlp other", "ms": 3.0},
+        {"group": "decoder self_attention matmul", "ms": 1.0},
+    ]
+    assert [r["op"] for r in b["top_ops"]] == ["loop_fusion.3", "gemm_fusion.1"]
+
+
+@pytest.mark.slow
+def test_a_traced_tiny_step_is_broken_down(tmp_path):
+    argv = ["--preset", "tiny", "--input_length", "64", "--target_length", "8"]
+    assert profile.main([*argv, "--out_dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "profile.json").read_text())
+    b = report["breakdown"]
+    groups = {r["group"] for r in b["groups"]}
+    assert any(g.startswith("encoder attention") for g in groups), groups
+    assert any(g.startswith("decoder") for g in groups), groups
+    busy = sum(r["ms"] for r in b["groups"])
+    assert abs(busy + b["idle_ms"] - b["span_ms"]) < 1e-6 * b["span_ms"] + 1e-3
