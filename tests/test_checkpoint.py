@@ -184,6 +184,7 @@ def test_a_corrupt_latest_checkpoint_stops_the_run_and_keeps_everything(run, tmp
     assert {p: p.read_bytes() for p in model_dir.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_the_parameters_only(run, tmp_path, capsys):
     """init_from: the parameters come from the checkpoint, the optimizer and step start anew."""
     new = tmp_path / "finetune"

@@ -46,7 +46,9 @@ def _setup(attention):
     return config, params, batch
 
 
-@pytest.mark.parametrize("attention", ["local", "transient-global"])
+@pytest.mark.parametrize(
+    "attention", [pytest.param("local", marks=pytest.mark.slow), "transient-global"]
+)
 def test_cached_greedy_equals_uncached_argmax(attention):
     config, params, batch = _setup(attention)
     model = LongT5(config)

@@ -131,7 +131,9 @@ def test_dropout_is_active_only_when_not_deterministic():
     assert eval_loss == _loss(params, dataclasses.replace(config, dropout_rate=0.0), batch)
 
 
-@pytest.mark.parametrize("attention", ["local", "transient-global"])
+@pytest.mark.parametrize(
+    "attention", [pytest.param("local", marks=pytest.mark.slow), "transient-global"]
+)
 def test_logical_names_shard_over_a_mesh_without_changing_results(attention):
     """The logical names are consistent: a data x tensor mesh runs the same forward and grads."""
     config = LongT5Config.preset("tiny", attention)

@@ -22,7 +22,9 @@ def _pack(examples, length):
     return ids, seg, pos
 
 
-@pytest.mark.parametrize("attention", ["local", "transient-global"])
+@pytest.mark.parametrize(
+    "attention", [pytest.param("local", marks=pytest.mark.slow), "transient-global"]
+)
 def test_packed_rows_equal_unpacked_examples(attention):
     # Blocks of 4 tokens for both local and global attention, so segment boundaries fall inside
     # blocks and some segments are shorter than a global block.

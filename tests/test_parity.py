@@ -36,6 +36,21 @@ CASES = [
 ATTENTION = ["local", "transient-global"]
 
 
+def _pairs(cases):
+    """(attention, case) pairs; local attention beyond the first case runs in the slow run (the
+    default run keeps every TGlobal case and local on the first)."""
+    return [
+        pytest.param(
+            attention,
+            case,
+            id=f"{case[0]}-{attention}",
+            marks=pytest.mark.slow if attention == "local" and case is not cases[0] else (),
+        )
+        for case in cases
+        for attention in ATTENTION
+    ]
+
+
 def _setup(attention, overrides, length, target_length, input_lens, target_lens):
     config = LongT5Config.preset("tiny", attention, **overrides)
     params = random_params(config)
@@ -72,8 +87,7 @@ def _loss(params, model, batch):
     return jnp.sum(per_token * weights) / jnp.sum(weights)
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("attention, case", _pairs(CASES))
 def test_forward_and_loss_match_transformers(attention, case):
     config, params, batch = _setup(attention, *case[1:])
     _, out = _torch_forward(config, params, batch)
@@ -100,8 +114,7 @@ def test_forward_and_loss_match_transformers(attention, case):
     assert abs_err <= 1e-4 and rel_err <= 1e-5
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("case", CASES[:3], ids=[c[0] for c in CASES[:3]])
+@pytest.mark.parametrize("attention, case", _pairs(CASES[:3]))
 def test_gradients_match_transformers(attention, case):
     config, params, batch = _setup(attention, *case[1:])
     torch_model_, out = _torch_forward(config, params, batch)

@@ -212,6 +212,7 @@ def test_the_demo_trains_pipelined_with_one_flag(tmp_path):
     np.testing.assert_allclose(runs["pp"], runs["plain"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropout_runs_through_the_stages():
     """Fine-tuning uses dropout: each chunk and microbatch draws masks; no-dropout is exact."""
     config = LongT5Config.preset("tiny", "transient-global", dropout_rate=0.1)

@@ -40,6 +40,7 @@ def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
     assert "step      4/4  loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
     """Stop after 3 steps (saved), rerun to 6: the same batches and bitwise the same losses."""
     whole, split = tmp_path / "whole", tmp_path / "split"
@@ -59,7 +60,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
     assert saved == [4, 6]  # saves at 2, 3 (forced), 4, 6 (forced); demo.gin keeps the last 2
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_nonfinite_steps_stop_the_run_or_are_skipped(tmp_path, capsys, skip):
     # A learning rate of 1e30 sends the parameters to Inf after the first update.
     args = [
