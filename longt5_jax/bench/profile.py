@@ -84,7 +84,8 @@ def group_of(path: str, matmul: bool) -> str:
     """'encoder attention matmul'-style row name from an op's model path."""
     stack = "encoder" if "encode" in path else "decoder" if "decode" in path else "outside stacks"
     module = re.search(r"layers/([a-z_]+)", path)
-    where = module.group(1) if module else ("optimizer/loss/other" if not path else "")
+    # Ops without metadata: the optimizer update, scan residual buffers, split reductions.
+    where = module.group(1) if module else ("no model path" if not path else "")
     return " ".join(x for x in (stack, where, "matmul" if matmul else "other") if x)
 
 
