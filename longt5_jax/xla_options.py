@@ -4,8 +4,9 @@ On CPU, jaxlib 0.10 hands dots, elementwise ops and reductions to YNNPACK fusion
 fast, but inside the train step its reductions run far slower than XLA's own loops (the layer
 norm's scale gradient, a [4096, 512] -> [512] sum, took 5 ms instead of under 1), and its
 elementwise fusions gain nothing. Dots only: small TGlobal at 4k inputs trains in 6.7 s a step,
-against 10.5 s with the default set and 8.7 s with no YNNPACK at all (`longt5_jax.bench speed`
-reproduces the figures). GPUs and TPUs get no options.
+against 10.5 s with the default set and 8.7 s with no YNNPACK at all (measured on one idle 2-core
+machine; `python -m longt5_jax.bench profile` shows where a step's time goes). GPUs and TPUs get
+no options.
 """
 
 from __future__ import annotations
