@@ -21,9 +21,8 @@ import jax
 
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.model import LongT5Config
+from longt5_jax.parallel import compiled
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$", re.M)
-_COMPUTATION = re.compile(r"^%?([\w.\-]+) \(.*?^}", re.M | re.S)
 _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
 
 
@@ -43,14 +42,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
     """Instruction name -> output shape, model path (HLO metadata) and whether it is a matmul."""
-    bodies = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo_text)}
+    found = list(compiled.instructions(hlo_text))
+    opcodes = collections.defaultdict(set)
+    for computation, _, _, _, opcode, _ in found:
+        opcodes[computation].add(opcode)
     ops = {}
-    for m in _INSTR.finditer(hlo_text):
-        name, shape, opcode, rest = m.groups()
-        path = re.search(r'op_name="([^"]*)"', rest)
-        calls = re.search(r"calls=%([\w.\-]+)", rest)
-        body = bodies.get(calls.group(1), "") if calls else ""
-        matmul = opcode == "dot" or name.startswith(_MATMUL_NAMES) or " dot(" in body
+    for _, _, name, shape, opcode, attrs in found:
+        path = re.search(r'op_name="([^"]*)"', attrs)
+        calls = re.search(r"calls=%([\w.\-]+)", attrs)
+        fused_dot = calls is not None and "dot" in opcodes[calls.group(1)]
+        matmul = opcode == "dot" or name.startswith(_MATMUL_NAMES) or fused_dot
         ops[name] = {"shape": shape, "path": path.group(1) if path else "", "matmul": matmul}
     return ops
 

@@ -200,6 +200,6 @@ class LongSelfAttention(nn.Module):
         buckets = relpos.relative_position_bucket(
             rel_BNWG, True, c.relpos_buckets, c.relpos_max_distance
         )
-        bias_BHNWG = jnp.moveaxis(jnp.take(table_HR, buckets, axis=1), 0, 1)
+        bias_BHNWG = relpos.lookup(table_HR, buckets, heads_axis=1)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
         return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]

@@ -52,7 +52,8 @@ class RelposTable(nn.Module):
         )
 
 
-def lookup(table_HR: jax.Array, buckets: jax.Array) -> jax.Array:
-    """table[:, buckets] with the heads axis moved just before the last two bucket axes."""
+def lookup(table_HR: jax.Array, buckets: jax.Array, heads_axis: int = -3) -> jax.Array:
+    """table[:, buckets] with the heads axis moved to `heads_axis` (default: just before the last
+    two bucket axes)."""
     bias = jnp.take(table_HR, buckets, axis=1)  # [H, *buckets.shape]
-    return jnp.moveaxis(bias, 0, -3)
+    return jnp.moveaxis(bias, 0, heads_axis)

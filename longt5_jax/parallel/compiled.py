@@ -188,6 +188,29 @@ def _pairs(attrs: str) -> tuple[tuple[int, ...], ...]:
     return tuple((int(s), int(t)) for s, t in pairs if s != t)
 
 
+def instructions(hlo: str):
+    """(computation, in ENTRY?, name, result type, opcode, attributes) of every HLO instruction."""
+    computation, is_entry = None, False
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            computation, is_entry = header.group(2), bool(header.group(1))
+            continue
+        instr = _INSTR.match(line)
+        if computation is None or instr is None:
+            continue
+        type_text, rest = _split_type(line[instr.end() :])
+        op = _OPCODE.match(rest)
+        yield (
+            computation,
+            is_entry,
+            instr.group(1),
+            type_text,
+            op.group(1) if op else "",
+            rest[op.end() :] if op else rest,
+        )
+
+
 @dataclasses.dataclass
 class _Computation:
     collectives: list[tuple[str, str, str, str]]  # (name, opcode, type, attrs)
@@ -207,31 +230,21 @@ def _trip_count(attrs: str, condition: _Computation | None) -> int:
 
 def _parse(hlo: str) -> tuple[dict[str, _Computation], str, int]:
     comps: dict[str, _Computation] = {}
-    entry, current = "", None
+    entry = ""
     whiles: list[tuple[_Computation, str, str, str]] = []
     m = re.search(r"num_partitions=(\d+)", hlo)
     num_devices = int(m.group(1)) if m else 1
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = comps.setdefault(header.group(2), _Computation([], [], []))
-            entry = header.group(2) if header.group(1) else entry
-            continue
-        instr = _INSTR.match(line)
-        if current is None or instr is None:
-            continue
-        type_text, rest = _split_type(line[instr.end() :])
-        op = _OPCODE.match(rest)
-        opcode = op.group(1) if op else ""
-        attrs = rest[op.end() :] if op else rest
+    for computation, is_entry, name, type_text, opcode, attrs in instructions(hlo):
+        current = comps.setdefault(computation, _Computation([], [], []))
+        entry = computation if is_entry else entry
         if opcode in KINDS:
-            current.collectives.append((instr.group(1), opcode, type_text, attrs))
+            current.collectives.append((name, opcode, type_text, attrs))
         elif opcode.endswith("-start") and opcode[: -len("-start")] in KINDS:
             # Async forms (GPU) return a tuple holding operand and result: the buffer is the
             # largest array in it.
             arrays = [shape_bytes(f"{d}[{s}]") for d, s in _SHAPE.findall(type_text)]
             current.collectives.append(
-                (instr.group(1), opcode[: -len("-start")], f"u8[{max(arrays, default=0)}]", attrs)
+                (name, opcode[: -len("-start")], f"u8[{max(arrays, default=0)}]", attrs)
             )
         elif opcode == "constant" and type_text.startswith(("s32[]", "s64[]", "u32[]")):
             current.constants.extend(_ints(attrs.split(")")[0]))
