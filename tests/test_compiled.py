@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longt5_jax import aot, flops
+from longt5_jax import flops
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel import compiled as hlo
 from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.plan import compile_ahead as aot
+from longt5_jax.plan import hlo
 
 CONFIG = LongT5Config.preset("tiny", "local", d_model=64, d_ff=256, d_kv=16)
 SHAPE = (16, 64, 16)  # batch, input length, target length
@@ -79,6 +80,8 @@ HLO = """HloModule m, num_partitions=8
 
 %body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
   %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[16,4]{1,0} get-tuple-element(%p), index=1
+  %y = bf16[2,4]{1,0} get-tuple-element(%p), index=1
   %ar = f32[16,4]{1,0} all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add
   %ag = bf16[8,4]{1,0} all-gather(%y), replica_groups=mesh['a'=4,'b'=2] {'b'}, dimensions={0}
   %cp = f32[4]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0},{2,2}}
@@ -102,13 +105,75 @@ def test_parser_groups_and_trip_counts():
     assert (ar.count, ar.group_size, ar.payload) == (5, 4, 256)
     assert ar.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert ar.bytes_per_device == 5 * 2 * 3 / 4 * 256
-    assert ag.groups == ((0, 1), (2, 3), (4, 5), (6, 7)) and ag.payload == 64
+    assert ag.groups == ((0, 1), (2, 3), (4, 5), (6, 7)) and ag.payload == 2 * 16  # 2 shards
     assert cp.groups == ((0, 1), (1, 0)) and cp.bytes_per_device == 5 * 16
     assert (rs.count, rs.payload) == (1, 32)  # one shard of 8 bytes x 4 devices
+    assert ar.in_loop and not rs.in_loop
     assert ar.spans(4) is False and ar.spans(2) is True
     # Without XLA's annotation the trip count is the condition's bound.
     text = HLO.replace(", TRIP", "")
     assert {op.name: op.count for op in hlo.collectives(text)}["ar"] == 6
+
+
+# The GPU compiler's spelling: asynchronous start/done pairs whose start returns (operands,
+# results); several arrays combined into one collective; a loop whose trip count XLA did not
+# annotate (peeled), counting from the constant the caller passes in.
+GPU_HLO = """HloModule g, num_partitions=32
+
+%fused_compare (p0: s32[]) -> pred[] {
+  %p0 = s32[] parameter(0)
+  %bound = s32[] constant(3)
+  ROOT %lt = pred[] compare(%p0, %bound), direction=LT
+}
+
+%cond (c: (s32[], f32[64])) -> pred[] {
+  %c = (s32[], f32[64]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (b: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %b = (s32[], f32[64]{0}) parameter(0)
+  %g = f32[64]{0} get-tuple-element(%b), index=1
+  %h = bf16[32]{0} convert(%g)
+  %ars = (f32[64]{0}, bf16[32]{0}) all-reduce-start(%g, %h), replica_groups=mesh['a'=8,'b'=4] {'a'}
+  %ard = (f32[64]{0}, bf16[32]{0}) all-reduce-done(%ars)
+}
+
+ENTRY %main (a: f32[128]) -> f32[4] {
+  %a = f32[128]{0} parameter(0)
+  %s = f32[4]{0} slice(%a), slice={[0:4]}
+  %ags = ((f32[4]{0}), f32[128]{0}) all-gather-start(%s), replica_groups=[1,32]<=[32]
+  %d = f32[128]{0} all-gather-done(%ags)
+  %rss = ((f32[128]{0}), f32[4]{0}) reduce-scatter-start(%d), replica_groups=mesh['a'=8,'b'=4] {'b'}
+  %rsd = f32[4]{0} reduce-scatter-done(%rss)
+  %zero = s32[] constant(1)
+  %init = s32[] copy(%zero)
+  %t = (s32[], f32[64]{0}) tuple(%init, %x)
+  %w = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_parser_reads_the_gpu_spelling():
+    ops = {op.name: op for op in hlo.collectives(GPU_HLO)}
+    assert set(ops) == {"ags", "rss", "ars"}  # each start once, no done
+    ags, rss, ars = ops["ags"], ops["rss"], ops["ars"]
+    assert (ags.kind, ags.payload, ags.group_size) == ("all-gather", 4 * 128, 32)
+    assert (rss.kind, rss.payload, rss.group_size) == ("reduce-scatter", 4 * 128, 4)
+    assert rss.groups[0] == (0, 1, 2, 3) and not rss.spans(4) and ags.spans(4)
+    # Combined: both arrays; the loop runs from 1 while below 3.
+    assert (ars.kind, ars.payload, ars.count, ars.group_size) == ("all-reduce", 256 + 64, 2, 8)
+    assert ars.groups[0] == (0, 4, 8, 12, 16, 20, 24, 28) and ars.in_loop
+    mesh = np.arange(32).reshape(8, 4)  # a (data 8, tensor 4) mesh, one node per row
+    placement = hlo.Placement(
+        ("data", "tensor"), (8, 4), tuple(int(d) for d in mesh.reshape(-1) // 4)
+    )
+    assert placement.axes(rss) == ("tensor",) and placement.link(rss) == "nvlink"
+    assert placement.axes(ars) == ("data",) and placement.link(ars) == "ib"
+    moved = hlo.bytes_by(list(ops.values()), placement)
+    assert moved["link"]["nvlink"] == pytest.approx(3 / 4 * 512)
+    assert moved["axes"]["all-reduce over data"] == pytest.approx(2 * 2 * 7 / 8 * 320)
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,9 @@ flags that select them, and turns bad input into one line and exit status 2."""
 
 import pytest
 
-from longt5_jax import candidates, plan
 from longt5_jax.model import LongT5Config
+from longt5_jax.plan import candidates
+from longt5_jax.plan import planner as plan
 
 SMALL = ["--model", "tiny", "--nodes", "1", "--gpus_per_node", "8", "--input_length", "128"]
 SMALL += ["--target_length", "16", "--batch_sizes", "16", "--show", "3"]

@@ -1,13 +1,14 @@
-"""python -m longt5_jax.bench {data,decode,pipeline,profile,speed,strategy} [options].
+"""python -m longt5_jax.bench {cluster,data,decode,pipeline,profile,speed,strategy} [options].
 
 Each benchmark takes --help.
 """
 
 import sys
 
-from longt5_jax.bench import data, decode, pipeline, profile, speed, strategy
+from longt5_jax.bench import cluster, data, decode, pipeline, profile, speed, strategy
 
 BENCHMARKS = {
+    "cluster": cluster.main,
     "data": data.main,
     "decode": decode.main,
     "pipeline": pipeline.main,

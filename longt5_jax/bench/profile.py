@@ -21,7 +21,7 @@ import jax
 
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.model import LongT5Config
-from longt5_jax.parallel import compiled
+from longt5_jax.plan import hlo
 
 _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
 
@@ -42,17 +42,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
     """Instruction name -> output shape, model path (HLO metadata) and whether it is a matmul."""
-    found = list(compiled.instructions(hlo_text))
+    found = list(hlo.instructions(hlo_text))
     opcodes = collections.defaultdict(set)
-    for computation, _, _, _, opcode, _ in found:
-        opcodes[computation].add(opcode)
+    for computation, _, instr in found:
+        opcodes[computation].add(instr.opcode)
     ops = {}
-    for _, _, name, shape, opcode, attrs in found:
-        path = re.search(r'op_name="([^"]*)"', attrs)
-        calls = re.search(r"calls=%([\w.\-]+)", attrs)
+    for _, _, instr in found:
+        path = re.search(r'op_name="([^"]*)"', instr.attrs)
+        calls = re.search(r"calls=%([\w.\-]+)", instr.attrs)
         fused_dot = calls is not None and "dot" in opcodes[calls.group(1)]
-        matmul = opcode == "dot" or name.startswith(_MATMUL_NAMES) or fused_dot
-        ops[name] = {"shape": shape, "path": path.group(1) if path else "", "matmul": matmul}
+        matmul = instr.opcode == "dot" or instr.name.startswith(_MATMUL_NAMES) or fused_dot
+        path = path.group(1) if path else ""
+        ops[instr.name] = {"shape": instr.type, "path": path, "matmul": matmul}
     return ops
 
 

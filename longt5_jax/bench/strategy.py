@@ -4,7 +4,7 @@ Each strategy (DP, ZeRO 1-3, TP+DP, TP+PP+DP) runs the same model and batch on t
 (fake CPU devices here). Throughput is measured by real steps, alternating strategies so drift
 hits all alike; on fake devices every "device" shares the host's cores, so it ranks the
 strategies' overheads, not a GPU's speed. Memory per device and collective bytes per step come
-from the compiled executable (`parallel/compiled.py`). The communication share is estimated for
+from the compiled executable (`plan/hlo.py`). The communication share is estimated for
 a target interconnect and compute rate: comm / (comm + compute), compute = model FLOPs / (peak x
 efficiency), each collective at the intra- or inter-node bandwidth its groups need (`cost.py`).
 """
@@ -21,11 +21,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from longt5_jax import aot, cost, flops
+from longt5_jax import flops
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.model import LongT5Config
-from longt5_jax.parallel import compiled as hlo
 from longt5_jax.parallel.mesh import MeshConfig, check_fits
+from longt5_jax.plan import compile_ahead as aot
+from longt5_jax.plan import cost, hlo
+from longt5_jax.plan.targets import node_of
 
 # name -> (data, tensor, pipeline, zero stage); pipelines run 2 x stages microbatches.
 STRATEGIES = {
@@ -72,6 +74,8 @@ class _Run:
         self.compiled = aot.compile_step(self.step, *lengths)
         self.memory = hlo.memory(self.compiled)
         self.ops = hlo.collectives(self.compiled.as_text())
+        devices = list(self.step.mesh.devices.flat)
+        self.placement = hlo.Placement.of(self.step.mesh, node_of(devices, args.gpus_per_node))
         self.times: list[float] = []
         self()  # warm up
         self.times = []
@@ -85,7 +89,7 @@ class _Run:
 
 def _row(run: _Run, args: argparse.Namespace, cluster: cost.Cluster, model_flops: float) -> dict:
     seconds = float(np.median(run.times))
-    comm = cost.comm_seconds(run.ops, cluster)
+    comm = cost.comm_seconds(run.ops, run.placement, cluster)
     compute = cost.compute_seconds(model_flops, 8, cluster)
     return {
         "strategy": run.name,

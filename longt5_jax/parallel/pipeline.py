@@ -115,7 +115,10 @@ def run(
         step = t - s
         j = jnp.clip(step // m, 0, r - 1)
         mb = step % m
-        params = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, j, 0, False), stage_params)
+        # A select among the r chunks, not a dynamic index: under the stage vmap an index that
+        # differs per stage is a gather, whose gradient scatter XLA's GPU compiler rejects
+        # (jaxlib 0.10.2: "repeated dimensions in scatter_dims_to_operand_dims").
+        params = jax.tree.map(lambda w: jax.lax.select_n(j, *w) if r > 1 else w[0], stage_params)
         rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, 0, False), micro)
         return stage_fn(params, h, rows, shared, j * p + s, mb)
 

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longt5_jax import cost, flops
+from longt5_jax import flops
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.parallel.compiled import ring_bytes, zero_volumes
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import rules
+from longt5_jax.plan import cost
+from longt5_jax.plan.hlo import ring_bytes, zero_volumes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,15 @@
 The state is `jax.eval_shape` of the model's and optimizer's initialisers, and state and batch
 are `jax.ShapeDtypeStruct`s carrying the step's shardings, so lowering sees exactly the arrays a
 run would pass (per-device shards, donation) while nothing is allocated: a 3B-parameter step
-compiles on a laptop. The devices must exist (fake CPU devices will do).
+compiles on a laptop. The devices are fake CPU devices, the compile-only GPUs of a target
+topology (`targets.devices`), or a real cluster's: the code path is the same, and so are the
+compiler options (`xla_options`), so the program analysed is the one the cluster would run.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +22,8 @@ import optax
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.plan import cost, hlo, roofline
+from longt5_jax.plan.targets import node_of
 from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState
 
 
@@ -70,3 +76,58 @@ def compile_step(step: ShardedStep, batch_size: int, input_length: int, target_l
     state = abstract_state(step)
     batch = abstract_batch(step, batch_size, input_length, target_length)
     return step.lower(state, batch).compile()
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """A compiled train step and what it costs each device: memory, collectives, time."""
+
+    step: ShardedStep
+    executable: Any  # jax.stages.Compiled
+    gpus_per_node: int
+
+    @functools.cached_property
+    def module(self) -> hlo.Module:
+        return hlo.Module.parse(self.executable.as_text())
+
+    @functools.cached_property
+    def collectives(self) -> list[hlo.Collective]:
+        return hlo.collectives(self.module)
+
+    @functools.cached_property
+    def placement(self) -> hlo.Placement:
+        devices = list(self.step.mesh.devices.flat)
+        return hlo.Placement.of(self.step.mesh, node_of(devices, self.gpus_per_node))
+
+    def memory(self) -> hlo.Memory:
+        return hlo.memory(self.executable)
+
+    def analyse(self, cluster: cost.Cluster) -> dict[str, Any]:
+        """Memory, collective bytes (by kind, link and mesh axes), the roofline of the program
+        and the communication it leaves exposed as scheduled, on `cluster`, JSON-ready."""
+        peak, hbm = cluster.peak_tflops * 1e12, cluster.hbm_gbps * 1e9
+        seconds = {
+            op.name: cost.collective_seconds(op, self.placement, cluster) for op in self.collectives
+        }
+        once = {op.name: seconds[op.name] / op.count for op in self.collectives if op.count}
+        return {
+            "memory": self.memory().as_dict(),
+            "collectives": hlo.bytes_by(self.collectives, self.placement),
+            "comm_s": sum(seconds.values()),
+            "roofline": roofline.roofline(self.module, peak, hbm).as_dict(),
+            "exposed_comm_s": roofline.exposed_communication(self.module, once, peak, hbm),
+        }
+
+
+def compile_for(
+    config: LongT5Config,
+    plan: MeshConfig,
+    devices: list,
+    gpus_per_node: int,
+    shape: tuple[int, int, int],
+    step_cfg: StepConfig | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> CompiledStep:
+    """Compile the step of `config` on `plan` over `devices` for (batch, input, target) shapes."""
+    step = sharded_step(config, plan, step_cfg, optimizer, devices)
+    return CompiledStep(step, compile_step(step, *shape), gpus_per_node)

@@ -1,35 +1,37 @@
 """The cost model of a train step on a target cluster: compute, communication and pipeline bubble.
 
-    step time = compute / (1 - bubble) + communication
     compute   = executed FLOPs / (devices x peak x MFU)   (model FLOPs + remat's recompute)
     bubble    = (p - 1) / (r m + p - 1)        (GPipe / circular pipeline idle fraction)
-    comm      = sum over collectives of bytes per device / bandwidth
+    comm      = sum over collectives of bytes per device / bandwidth of the link they cross
+    step time between max(compute', comm) (full overlap) and compute' + comm (none),
+              compute' = compute / (1 - bubble)
 
 A collective whose groups all sit inside one node is charged at the intra-node bandwidth
 (NVLink), any other at the inter-node one (InfiniBand): the ring is as slow as its slowest link.
-Device d of the mesh (row-major data x tensor x pipeline, as `make_mesh` lays them out) sits on
-node d // gpus_per_node, so tensor groups are neighbours and fill a node first. Communication is
-not overlapped with compute: an upper bound, as XLA's latency-hiding scheduler hides part of it.
+Where the devices sit is a `hlo.Placement` (the mesh's devices and their nodes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from longt5_jax.parallel.compiled import Collective
+from longt5_jax.plan.hlo import Collective, Placement
+from longt5_jax.plan.targets import Target
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """A GPU cluster; bandwidths are per GPU, in GB/s (1e9 bytes/s)."""
+    """A GPU cluster; bandwidths are per GPU and direction, in GB/s (1e9 bytes/s)."""
 
     nodes: int = 8
     gpus_per_node: int = 4
     memory_gib: float = 80.0
     peak_tflops: float = 312.0  # A100 dense bf16
-    intra_node_gbps: float = 300.0  # NVLink 3 (A100), one direction
+    intra_node_gbps: float = 300.0  # NVLink 3 (A100)
     inter_node_gbps: float = 25.0  # InfiniBand HDR 200 Gb/s, one NIC per GPU
     mfu: float = 0.4  # assumed model-FLOPs utilisation of the compute
+    hbm_gbps: float = 2039.0  # A100-80GB HBM2e
+    host_gbps: float = 25.0  # PCIe 4 x16
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -38,6 +40,21 @@ class Cluster:
         if self.mfu > 1:
             raise ValueError(f"cluster mfu={self.mfu}: expected a fraction in (0, 1]")
 
+    @classmethod
+    def of(cls, target: Target, nodes: int, gpus_per_node: int, **overrides) -> Cluster:
+        """The cluster of `nodes x gpus_per_node` of a target GPU; None overrides are ignored."""
+        f = target.figures
+        fields = dict(
+            memory_gib=target.memory_gib,
+            peak_tflops=f.peak_tflops,
+            intra_node_gbps=f.intra_node_gbps,
+            inter_node_gbps=f.inter_node_gbps,
+            hbm_gbps=target.hbm_gbps,
+            host_gbps=f.host_gbps,
+        )
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(nodes, gpus_per_node, **fields)
+
     @property
     def devices(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -45,19 +62,21 @@ class Cluster:
     def describe(self) -> str:
         return (
             f"{self.nodes} nodes x {self.gpus_per_node} GPUs, {self.memory_gib:g} GiB, "
-            f"{self.peak_tflops:g} TFLOP/s peak at {self.mfu:.0%} MFU, "
+            f"{self.peak_tflops:g} TFLOP/s peak at {self.mfu:.0%} MFU, HBM {self.hbm_gbps:g} GB/s, "
             f"{self.intra_node_gbps:g} GB/s in a node, {self.inter_node_gbps:g} GB/s between"
         )
 
 
-def comm_seconds(ops: list[Collective], cluster: Cluster) -> float:
-    """Time of a step's collectives, each at the bandwidth of the slowest link its groups use."""
-    total = 0.0
-    for op in ops:
-        spans = op.spans(cluster.gpus_per_node)
-        gbps = cluster.inter_node_gbps if spans else cluster.intra_node_gbps
-        total += op.bytes_per_device / (gbps * 1e9)
-    return total
+def collective_seconds(op: Collective, placement: Placement, cluster: Cluster) -> float:
+    """One collective's time per step at the bandwidth of the slowest link it crosses."""
+    link = placement.link(op)
+    gbps = cluster.inter_node_gbps if link == "ib" else cluster.intra_node_gbps
+    return op.bytes_per_device / (gbps * 1e9)
+
+
+def comm_seconds(ops: list[Collective], placement: Placement, cluster: Cluster) -> float:
+    """Time of a step's collectives, one after another, none hidden."""
+    return sum(collective_seconds(op, placement, cluster) for op in ops)
 
 
 def compute_seconds(flops: float, devices: int, cluster: Cluster) -> float:
@@ -79,12 +98,23 @@ class StepTime:
     comm: float
 
     @property
+    def busy(self) -> float:
+        return self.compute + self.bubble
+
+    @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.comm
+        """No overlap: the upper bound."""
+        return self.busy + self.comm
+
+    @property
+    def overlapped(self) -> float:
+        """Full overlap of communication with compute: the lower bound."""
+        return max(self.busy, self.comm)
 
     @property
     def comm_share(self) -> float:
-        return self.comm / (self.comm + self.compute) if self.comm + self.compute else 0.0
+        """The share of a step spent waiting on communication, none of it hidden."""
+        return self.comm / self.total if self.total else 0.0
 
 
 def step_time(compute: float, comm: float, idle_fraction: float) -> StepTime:

@@ -1,0 +1,262 @@
+"""The paper's Table 1 on the compiled GPU program: its three strategies on 8 x 4 A100-80GB.
+
+Each row compiles the full train step (global batch 512 in 4 accumulation microbatches, bf16,
+full remat, as the paper trains) for the target cluster with XLA's GPU compiler, deviceless
+(`plan/targets.py`), and reads off the program: per-device memory from the GPU buffer assignment,
+collective bytes per step by kind and by link (NVLink inside a node, InfiniBand across), a
+roofline over its kernels, and the communication its schedule leaves exposed. Compute time comes
+two ways (analytic FLOPs at an assumed MFU, plus the pipeline bubble; the roofline of the
+compiled kernels), communication with no overlap and with full overlap, so each gives a range of
+step times; between them, the roofline plus the communication XLA's schedule leaves exposed.
+Beside them: the paper's figures, and the physical ceiling (model FLOPs at 100% of peak), so a
+reader sees which of the paper's numbers are possible. Every assumption is a flag and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from longt5_jax.plan import targets
+
+# name -> (tensor, pipeline, ZeRO stage); data takes the remaining devices.
+STRATEGIES = {"DP+ZeRO-2": (1, 1, 2), "TP+DP": (4, 1, 1), "TP+PP+DP": (4, 2, 1)}
+# The paper's Table 1, per strategy: samples/s, memory % of 80 GB, % of the step waiting on
+# communication.
+PAPER = {
+    "DP+ZeRO-2": (790, 96.2, 27.4),
+    "TP+DP": (1080, 89.5, 19.2),
+    "TP+PP+DP": (1410, 91.1, 12.6),
+}
+ROWS = ["base:4096", "large:4096", "xl:4096", "xl:8192"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m longt5_jax.bench cluster", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--target", default="a100-80gb", help="a100-80gb, h100-80gb, cpu or a file")
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--gpus_per_node", type=int, default=4)
+    p.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:INPUT_LENGTH (tiny .. xxl)")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--attention", default="tglobal")
+    p.add_argument("--target_length", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=512, help="global batch")
+    p.add_argument("--accumulation", type=int, default=4, help="gradient accumulation microbatches")
+    p.add_argument("--pipeline_microbatches", type=int, default=8)
+    p.add_argument("--remat", default="full")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the pessimistic bound")
+    p.add_argument("--peak_tflops", type=float, help="per GPU, dense bf16 (default: the target's)")
+    p.add_argument("--hbm_gbps", type=float, help="per GPU (default: the target's)")
+    p.add_argument("--intra_node_gbps", type=float, help="per GPU (default: the target's NVLink)")
+    p.add_argument("--inter_node_gbps", type=float, help="per GPU (default: the target's NIC)")
+    p.add_argument("--out_dir", default="bench_out")
+    return p
+
+
+def _rows(args: argparse.Namespace) -> list[tuple[str, int]]:
+    out = []
+    for row in args.rows:
+        model, sep, length = row.partition(":")
+        if not sep or not length.isdigit() or int(length) < 1:
+            raise ValueError(f"--rows {row!r}: expected MODEL:INPUT_LENGTH, e.g. xl:8192")
+        out.append((model, int(length)))
+    return out
+
+
+def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> dict:
+    """Compile one row and read its memory, communication and time bounds."""
+    from longt5_jax import flops
+    from longt5_jax.model import LongT5Config
+    from longt5_jax.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.parallel.mesh import MeshConfig, check_fits
+    from longt5_jax.plan import compile_ahead, cost
+    from longt5_jax.step import StepConfig
+
+    tensor, pipe, zero = STRATEGIES[strategy]
+    config = LongT5Config.preset(model, args.attention, dtype=args.dtype, remat=args.remat)
+    micro = args.pipeline_microbatches if pipe > 1 else 0
+    plan = MeshConfig(-1, tensor, pipe, zero, pipeline_microbatches=micro)
+    if args.batch_size % args.accumulation:
+        raise ValueError(f"--batch_size {args.batch_size} is not divisible by --accumulation")
+    layers = (config.num_encoder_layers, config.num_decoder_layers)
+    check_fits(
+        plan,
+        len(devices),
+        config.num_heads,
+        config.d_ff,
+        config.vocab_size,
+        args.batch_size // args.accumulation,
+        layers,
+    )
+    start = time.perf_counter()
+    compiled = compile_ahead.compile_for(
+        config,
+        plan,
+        devices,
+        args.gpus_per_node,
+        (args.batch_size, length, args.target_length),
+        StepConfig(microbatches=args.accumulation),
+        make_optimizer(OptimizerConfig(name=args.optimizer)),
+    )
+    a = compiled.analyse(cluster)
+    b, n = args.batch_size, cluster.devices
+    lengths = (length, args.target_length)
+    remat = "full" if pipe > 1 else args.remat
+    executed = flops.executed_flops_per_step(config, b, *lengths, remat)
+    idle = cost.bubble(pipe, micro, 1)
+    mfu_time = cost.step_time(cost.compute_seconds(executed, n, cluster), a["comm_s"], idle)
+    roof = a["roofline"]["seconds"]
+    model_flops = flops.train_flops_per_step(config, b, *lengths)
+    return {
+        "strategy": strategy,
+        "model": model,
+        "input_length": length,
+        "mesh": dict(compiled.step.mesh.shape),
+        "zero_stage": zero,
+        "compile_s": time.perf_counter() - start,
+        **a,
+        "memory_fraction": a["memory"]["total"] / (cluster.memory_gib * 2**30),
+        "compute_mfu_s": mfu_time.busy,
+        "compute_roofline_s": roof,
+        "samples_per_s": {
+            "mfu_no_overlap": b / mfu_time.total,
+            "mfu_full_overlap": b / mfu_time.overlapped,
+            "roofline_no_overlap": b / (roof + a["comm_s"]),
+            "roofline_as_scheduled": b / (roof + a["exposed_comm_s"]),
+            "roofline_full_overlap": b / max(roof, a["comm_s"]),
+            "ceiling": b / (model_flops / (n * cluster.peak_tflops * 1e12)),
+        },
+        "comm_share": mfu_time.comm_share,
+        "exposed_share": a["exposed_comm_s"] / (roof + a["exposed_comm_s"]),
+        "model_tflops_per_step": model_flops / 1e12,
+        "paper": dict(
+            zip(("samples_per_s", "memory_pct", "comm_pct"), PAPER[strategy], strict=True)
+        ),
+    }
+
+
+def _print(rows: list[dict], cluster) -> None:
+    print(
+        f"{'strategy':<10} {'model':<10} {'d/t/p':>7} {'GiB':>6} {'mem%':>5} {'AR GB':>6} "
+        f"{'AG GB':>6} {'RS GB':>6} {'CP GB':>6} {'NVL GB':>6} {'IB GB':>6} {'MFU s':>6} "
+        f"{'roof s':>6} {'comm s':>6} {'expo s':>6} {'samples/s: MFU':>15} "
+        f"{'roofline':>20} {'ceil':>6} {'comm%':>5} {'expo%':>5}   paper: samples/s mem% comm%"
+    )
+    for r in rows:
+        kind, link, s = r["collectives"]["kind"], r["collectives"]["link"], r["samples_per_s"]
+        mesh = "/".join(str(v) for v in r["mesh"].values())
+        paper = r["paper"]
+        mfu = f"{s['mfu_no_overlap']:.0f}-{s['mfu_full_overlap']:.0f}"
+        roof = (
+            f"{s['roofline_no_overlap']:.0f}/{s['roofline_as_scheduled']:.0f}/"
+            f"{s['roofline_full_overlap']:.0f}"
+        )
+        print(
+            f"{r['strategy']:<10} {r['model'] + '@' + str(r['input_length']):<10} {mesh:>7} "
+            f"{r['memory']['total'] / 2**30:>6.1f} {100 * r['memory_fraction']:>5.1f} "
+            f"{kind['all-reduce'] / 1e9:>6.2f} {kind['all-gather'] / 1e9:>6.2f} "
+            f"{kind['reduce-scatter'] / 1e9:>6.2f} {kind['collective-permute'] / 1e9:>6.2f} "
+            f"{link['nvlink'] / 1e9:>6.2f} {link['ib'] / 1e9:>6.2f} {r['compute_mfu_s']:>6.2f} "
+            f"{r['compute_roofline_s']:>6.2f} {r['comm_s']:>6.2f} {r['exposed_comm_s']:>6.2f} "
+            f"{mfu:>15} {roof:>20} {s['ceiling']:>6.0f} {100 * r['comm_share']:>5.1f} "
+            f"{100 * r['exposed_share']:>5.1f}   {paper['samples_per_s']:>5} "
+            f"{paper['memory_pct']:>5} {paper['comm_pct']:>5}"
+        )
+    print(
+        f"Cluster: {cluster.describe()}. GiB: the GPU buffer assignment, mem% of the device. "
+        "Collective GB per device per step (ring model) by kind; NVL / IB GB: on links inside a "
+        "node / across nodes. MFU s: analytic executed FLOPs at the assumed MFU, plus the "
+        "pipeline bubble; roof s: roofline of the compiled kernels; comm s: every collective at "
+        "its link's bandwidth; expo s: what XLA's schedule leaves exposed. samples/s: MFU s with "
+        "no overlap - full overlap; roofline no overlap / as scheduled / full overlap; ceil: "
+        "model FLOPs at 100% of peak. comm%: comm s / (MFU s + comm s), the paper's "
+        "'communication wait'; expo%: expo s / (roof s + expo s)."
+    )
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib  # imported here: only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['strategy']}\n{r['model']}@{r['input_length']}" for r in rows]
+    x = range(len(rows))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(rows)), 8), sharex=True)
+    s = [r["samples_per_s"] for r in rows]
+    for key, color in (
+        ("roofline_full_overlap", "#c6dbef"),
+        ("roofline_as_scheduled", "#6baed6"),
+        ("mfu_no_overlap", "#2171b5"),
+    ):
+        top.bar(x, [v[key] for v in s], color=color, label=key.replace("_", " "))
+    top.scatter(x, [v["ceiling"] for v in s], marker="_", s=400, c="k", label="100% of peak")
+    top.scatter(x, [r["paper"]["samples_per_s"] for r in rows], marker="*", c="r", label="paper")
+    top.set_yscale("log")
+    top.set_ylabel("samples/s")
+    top.legend(fontsize=8)
+    bottom.bar(x, [100 * r["memory_fraction"] for r in rows], color="#74c476", label="compiled")
+    bottom.scatter(x, [r["paper"]["memory_pct"] for r in rows], marker="*", c="r", label="paper")
+    bottom.axhline(100, color="k", lw=0.8)
+    bottom.set_ylabel("memory, % of device")
+    bottom.set_xticks(list(x), labels, rotation=60, fontsize=7)
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        rows = _rows(args)
+        target = targets.load(args.target)
+        if target.is_gpu and not targets.have_gpu_compiler():
+            raise ValueError(targets.GPU_EXTRA_MISSING)
+        targets.prepare_environment()
+        from longt5_jax.plan import cost
+
+        cluster = cost.Cluster.of(
+            target,
+            args.nodes,
+            args.gpus_per_node,
+            mfu=args.mfu,
+            peak_tflops=args.peak_tflops,
+            hbm_gbps=args.hbm_gbps,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+        )
+        devices = targets.devices(target, args.nodes, args.gpus_per_node)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for model, length in rows:
+        for strategy in args.strategies:
+            print(f"compiling {strategy} {model}@{length}", file=sys.stderr, flush=True)
+            try:
+                results.append(_measure(args, cluster, devices, model, length, strategy))
+            except ValueError as e:
+                print(f"error: {strategy} {model}@{length}: {e}", file=sys.stderr)
+                return 2
+    print(
+        f"{args.attention} {args.batch_size} x {{input}}/{args.target_length} in "
+        f"{args.accumulation} accumulation microbatches, {args.dtype}, remat {args.remat}, "
+        f"{args.optimizer}; compiled for {target.name}"
+    )
+    _print(results, cluster)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    report = {"config": config, "cluster": cluster.describe(), "rows": results}
+    (out / "cluster.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'cluster.json'}")
+    _plot(results, out / "cluster.png")
+    return 0

@@ -1,0 +1,147 @@
+"""Compile targets: the GPUs a step can be compiled for without having them, and their figures.
+
+`--target a100-80gb | h100-80gb` compiles with XLA's real GPU compiler, deviceless: the `gpu`
+extra's CUDA plugin builds compile-only devices for a `nodes x gpus_per_node` topology from the
+device description in `gpu_specs/NAME.txtpb` (XLA's GpuTargetConfig text format; a user's own
+file of that format works too, e.g. one of XLA's `tools/hlo_opt/gpu_specs`). The compile-only
+devices carry their node as `process_index`. `--target cpu` compiles for fake CPU devices, the
+CPU compiler's program, with the A100's figures for the cost model.
+
+The figures the cost model needs beyond what XLA is told (dense bf16 peak, link bandwidths per
+GPU and direction) come from the table below, chosen by compute capability; flags override them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+SPECS = Path(__file__).parent / "gpu_specs"
+# The CUDA plugin checks the driver when jax starts unless told not to; deviceless there is no
+# driver, and the check's traceback would precede every run. The CPU stays the default backend.
+DEVICELESS_ENV = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """Per-GPU performance figures (bandwidths in GB/s = 1e9 bytes/s, one direction)."""
+
+    peak_tflops: float  # dense bf16 tensor-core peak
+    intra_node_gbps: float  # NVLink
+    inter_node_gbps: float  # the GPU's InfiniBand NIC
+    host_gbps: float  # PCIe to host memory
+
+
+# By CUDA compute capability major version. A100: 312 TFLOP/s, NVLink 3 (600 GB/s both ways),
+# one HDR 200 Gb/s NIC per GPU, PCIe 4 x16. H100 SXM: 989 TFLOP/s, NVLink 4 (900 GB/s both ways),
+# NDR 400 Gb/s, PCIe 5 x16.
+_FIGURES = {8: Figures(312.0, 300.0, 25.0, 25.0), 9: Figures(989.0, 450.0, 50.0, 50.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a step is compiled for: a GPU description (empty for CPU) and its figures."""
+
+    name: str
+    spec: str  # GpuTargetConfig text; "" compiles for fake CPU devices
+    memory_gib: float
+    hbm_gbps: float
+    figures: Figures
+
+    @property
+    def is_gpu(self) -> bool:
+        return bool(self.spec)
+
+
+def _field(spec: str, name: str, source: str) -> float:
+    m = re.search(rf"\b{name}:\s*([\d.eE+]+)", spec)
+    if m is None:
+        raise ValueError(f"{source}: no {name} field; expected an XLA GpuTargetConfig text proto")
+    return float(m.group(1))
+
+
+def load(name: str) -> Target:
+    """`a100-80gb`, `h100-80gb`, `cpu`, or the path of a GpuTargetConfig text file."""
+    if name == "cpu":
+        a100 = load("a100-80gb")
+        return dataclasses.replace(a100, name="cpu", spec="")
+    path = SPECS / f"{name}.txtpb"
+    if not path.is_file():
+        path = Path(name)
+        if not path.is_file():
+            known = sorted(p.stem for p in SPECS.glob("*.txtpb"))
+            raise ValueError(
+                f"--target {name!r}: expected cpu, one of {known}, or a GpuTargetConfig file"
+            )
+    spec = path.read_text()
+    m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", spec)
+    if m is None:
+        raise ValueError(f"{path}: no cuda_compute_capability; expected a GpuTargetConfig file")
+    major = int(m.group(1))
+    if major not in _FIGURES:
+        raise ValueError(f"{path}: compute capability {major}.x has no figures here (8 or 9)")
+    return Target(
+        name=path.stem,
+        spec=spec,
+        memory_gib=_field(spec, "device_memory_size", str(path)) / 2**30,
+        hbm_gbps=_field(spec, "memory_bandwidth", str(path)) / 1e9,
+        figures=_FIGURES[major],
+    )
+
+
+def have_gpu_compiler() -> bool:
+    """Whether the `gpu` extra (jax's CUDA plugin) is installed."""
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+GPU_EXTRA_MISSING = (
+    "compiling for a GPU target needs the gpu extra (pip install -e '.[gpu]', no GPU needed); "
+    "--target cpu compiles for fake CPU devices instead"
+)
+
+
+def prepare_environment() -> None:
+    """Set the deviceless variables; call before jax is imported."""
+    for key, value in DEVICELESS_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def devices(target: Target, nodes: int, gpus_per_node: int) -> list:
+    """`nodes x gpus_per_node` devices to compile for: compile-only GPUs (node = process_index),
+    or this process's CPU devices (node = position // gpus_per_node) when there are that many."""
+    import jax
+
+    count = nodes * gpus_per_node
+    if not target.is_gpu:
+        with contextlib.suppress(RuntimeError):  # possible only before the backend starts
+            jax.config.update("jax_num_cpu_devices", count)
+        found = jax.devices("cpu")
+        if len(found) != count:
+            raise RuntimeError(f"{count} CPU devices are needed, this process has {len(found)}")
+        return found
+    if not have_gpu_compiler():
+        raise ValueError(GPU_EXTRA_MISSING)
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=target.spec, topology=f"{nodes}x1x{gpus_per_node}"
+    )
+    return list(topology.devices)
+
+
+def node_of(devices: list, gpus_per_node: int) -> list[int]:
+    """The node of each device: its process where processes hold whole nodes (compile-only GPUs,
+    one process per node), else consecutive runs of `gpus_per_node` devices in process order."""
+    processes = sorted({d.process_index for d in devices})
+    per_process = len(devices) // len(processes)
+    if len(processes) > 1 and per_process == gpus_per_node:
+        return [d.process_index for d in devices]
+    order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, devices[i].id))
+    nodes = [0] * len(devices)
+    for rank, i in enumerate(order):
+        nodes[i] = rank // gpus_per_node
+    return nodes
