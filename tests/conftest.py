@@ -1,14 +1,27 @@
-"""Tests run on 8 fake CPU devices (set before jax starts) in float32."""
+"""Tests run on 8 fake CPU devices (set before jax starts) in float32.
+
+Compile time dominates the suite, so tests compile with LLVM's optimisations off (the programs
+are tiny: they run as fast either way) and share a persistent compilation cache, which every
+process the tests start inherits: the same program compiled by another test, another process or
+the slow run is read back instead.
+"""
 
 import os
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # With the gpu extra installed, its CUDA plugin would look for a driver at start-up (and print a
 # traceback when none is there); the deviceless GPU compile needs none.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

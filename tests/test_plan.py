@@ -1,11 +1,20 @@
-"""The planner ranks candidates, compiles the best on the test's 8 fake devices, prints the gin
-flags that select them, and turns bad input into one line and exit status 2."""
+"""The planner ranks candidates, compiles the best (for the A100 cluster with XLA's GPU
+compiler, deviceless, or on the test's 8 fake CPU devices), prints the gin flags that select
+them, and turns bad input into one line and exit status 2. Compile targets load and place
+devices on nodes."""
 
+from pathlib import Path
+
+import jax
 import pytest
 
 from longt5_jax.model import LongT5Config
-from longt5_jax.plan import candidates
+from longt5_jax.plan import candidates, targets
 from longt5_jax.plan import planner as plan
+
+GPU = pytest.mark.skipif(
+    not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
+)
 
 SMALL = ["--model", "tiny", "--nodes", "1", "--gpus_per_node", "8", "--input_length", "128"]
 SMALL += ["--target_length", "16", "--batch_sizes", "16", "--show", "3"]
@@ -25,11 +34,30 @@ def test_plan_ranks_and_prints_gin(capsys):
 
 
 @pytest.mark.slow
-def test_plan_compiles_the_best(capsys):
-    assert plan.main([*SMALL, "--compile_top", "1"]) == 0
+def test_plan_compiles_the_best_on_cpu_devices(capsys):
+    assert plan.main([*SMALL, "--target", "cpu", "--compile_top", "1"]) == 0
     out = capsys.readouterr().out
     assert "compiling 1/1" in out and "CPU compiler" in out  # memory says whose it is
     _check_gin(out)
+
+
+@GPU
+def test_plan_compiles_the_best_for_the_a100_cluster(capsys):
+    argv = ["--model", "tiny", "--input_length", "128", "--target_length", "16"]
+    argv += ["--batch_sizes", "64", "--show", "3", "--compile_top", "1"]
+    assert plan.main(argv) == 0  # default target: 8 nodes x 4 A100-80GB
+    out = capsys.readouterr().out
+    assert "compiling 1/1" in out and "the GPU buffer assignment" in out
+    assert "8 nodes x 4 GPUs, 80 GiB, 312 TFLOP/s" in out
+    best = out.split("best, as gin flags:")[1]
+    assert "--gin.MeshConfig.data=" in best and "--gin.DataConfig.batch_size=64" in best
+
+
+def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(targets, "have_gpu_compiler", lambda: False)
+    assert plan.main([*SMALL, "--target", "h100-80gb", "--compile_top", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e '.[gpu]'" in err and "--target cpu" in err
 
 
 @pytest.mark.parametrize(
@@ -40,6 +68,7 @@ def test_plan_compiles_the_best(capsys):
         (["--model", "tiny", "--nodes", "1", "--gpus_per_node", "3", "--batch_sizes", "16"],
          "no data x tensor x pipeline layout of 3 devices"),
         (["--attention", "sparse"], "LongT5Config.attention='sparse'"),
+        (["--target", "v100"], "--target 'v100': expected cpu, one of ['a100-80gb', 'h100-80gb']"),
     ],
 )  # fmt: skip
 def test_plan_bad_input_is_one_line(argv, message, capsys):
@@ -56,3 +85,43 @@ def test_candidates_divide_everything():
     assert all(12 % (c.pipeline * c.repeats) == 0 for c in found)
     assert all(128 % (c.data * max(c.microbatches, 1)) == 0 for c in found)
     assert {c.zero_stage for c in found} == {0, 1, 2, 3}
+
+
+def test_targets_carry_their_figures(tmp_path):
+    a100, h100 = targets.load("a100-80gb"), targets.load("h100-80gb")
+    assert (a100.memory_gib, a100.hbm_gbps, a100.figures.peak_tflops) == (80.0, 2039.0, 312.0)
+    assert h100.figures.peak_tflops == 989.0 and h100.hbm_gbps == pytest.approx(3352.32)
+    assert not targets.load("cpu").is_gpu and targets.load("cpu").figures == a100.figures
+    # A user's own description (XLA's format): an A100 with 40 GB.
+    own = tmp_path / "a100-40gb.txtpb"
+    own.write_text(a100.spec.replace("85899345920", str(40 * 2**30)))
+    assert targets.load(str(own)).memory_gib == 40.0
+    own.write_text("gpu_device_info { core_count: 1 }")
+    with pytest.raises(ValueError, match="no cuda_compute_capability"):
+        targets.load(str(own))
+
+
+@GPU
+def test_compile_only_gpus_sit_on_their_nodes():
+    devices = targets.devices(targets.load("a100-80gb"), 8, 4)
+    assert len(devices) == 32 and devices[0].platform == "gpu"
+    assert targets.node_of(devices, 4) == [d // 4 for d in range(32)]
+
+
+def test_cpu_devices_fill_nodes_in_order():
+    devices = jax.devices()  # the test process's 8 fake CPU devices, one process
+    assert targets.node_of(devices, 4) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert targets.node_of(devices[::-1], 2) == [3, 3, 2, 2, 1, 1, 0, 0]
+
+
+def test_gpu_specs_ship_with_the_package():
+    """Installed (not editable) copies carry the descriptions: pyproject names them as data."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (pattern,) = project["tool"]["setuptools"]["package-data"]["longt5_jax.plan"]
+    assert sorted(p.name for p in targets.SPECS.glob(pattern.split("/")[-1])) == [
+        "a100-80gb.txtpb",
+        "h100-80gb.txtpb",
+    ]
+    assert (targets.SPECS.parent / pattern.split("/")[0]) == targets.SPECS

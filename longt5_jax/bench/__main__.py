@@ -1,16 +1,18 @@
-"""python -m longt5_jax.bench {cluster,data,decode,pipeline,profile,speed,strategy} [options].
+"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, memory, pipeline, profile,
+speed, strategy.
 
 Each benchmark takes --help.
 """
 
 import sys
 
-from longt5_jax.bench import cluster, data, decode, pipeline, profile, speed, strategy
+from longt5_jax.bench import cluster, data, decode, memory, pipeline, profile, speed, strategy
 
 BENCHMARKS = {
     "cluster": cluster.main,
     "data": data.main,
     "decode": decode.main,
+    "memory": memory.main,
     "pipeline": pipeline.main,
     "profile": profile.main,
     "speed": speed.main,

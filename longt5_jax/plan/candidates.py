@@ -7,8 +7,7 @@ vocabulary over tensor; layers over pipeline stages x repeats; the batch over da
 microbatches) are never made. Each remaining one gets an analytic per-device memory estimate
 (exact sharded state from the parameters' logical axes, plus an activation model) and analytic
 collective bytes, which feed the same cost model (`cost.py`) the compiled numbers later do.
-The activation model is rough (saved tensors per token per layer, by remat policy); it only
-orders the compile queue and drops the hopeless.
+Activations follow `memory_model.py`, calibrated on the compiled GPU program.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import rules
-from longt5_jax.plan import cost
+from longt5_jax.plan import cost, memory_model
 from longt5_jax.plan.hlo import ring_bytes, zero_volumes
 
 
@@ -156,44 +155,30 @@ class ModelShapes:
         return sum(4 * int(np.prod(s)) for s, axes in self.leaves if "embed" in axes)
 
 
-def _activation_bytes(c: Candidate, config: LongT5Config, lengths: tuple[int, int]) -> float:
-    """Saved activations per device: per token per layer by remat policy, plus one layer's
-    working set while it is recomputed, plus the float32 logits."""
-    length, target = lengths
-    b, t = config.compute_dtype.itemsize, c.tensor
-    d, hk, f, heads = config.d_model, config.num_heads * config.d_kv, config.d_ff, config.num_heads
-    g = length // config.global_block_size if config.attention == "transient-global" else 0
-    enc_full = b * (10 * d + 4 * hk / t + 4 * f / t) + heads / t * (3 * config.block_len + g) * (
-        8 + b
+def activations(c: Candidate, config: LongT5Config, lengths: tuple[int, int]):
+    """The candidate's activation terms (`memory_model.activations`)."""
+    return memory_model.activations(
+        config,
+        lengths,
+        c.batch_size / c.data,
+        c.tensor,
+        c.pipeline,
+        c.microbatches,
+        c.repeats,
+        c.remat,
     )
-    dec_full = b * (14 * d + 8 * hk / t + 4 * f / t) + heads / t * (target + length) * (8 + b)
-    saved = {"none": 1.0, "save_dots": None, "full": 0.0}[c.remat]
-    enc_tok = b * (4 * d + 3 * hk / t + 2 * f / t) if saved is None else saved * enc_full
-    dec_tok = b * (6 * d + 6 * hk / t + 2 * f / t) if saved is None else saved * dec_full
-    enc_tok, dec_tok = enc_tok + b * d, dec_tok + b * d  # every policy keeps the layer input
-    cross_kv = 2 * b * hk / t * length  # per example per decoder layer
-    enc_layers = config.num_encoder_layers / c.pipeline
-    dec_layers = config.num_decoder_layers / c.pipeline
-    rows = c.batch_size / c.data
-    working = enc_full * length + dec_full * target + cross_kv
-    if c.pipeline > 1:  # iterations are rematerialised: their inputs kept, one stage recomputed
-        micro = rows / c.microbatches
-        iterations = c.microbatches * c.repeats + c.pipeline - 1
-        stored = iterations * micro * b * d * (length + target) * 2
-        layer_chunk = (
-            enc_layers * (enc_tok * length) + dec_layers * (dec_tok * target + cross_kv)
-        ) / c.repeats
-        return stored + micro * (layer_chunk + working) + rows * target * config.vocab_size / t * 12
-    per_row = enc_layers * enc_tok * length + dec_layers * (dec_tok * target + cross_kv)
-    return rows * (per_row + working) + rows * target * config.vocab_size / t * 12
+
+
+def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
+    """Parameters, optimizer state and gradients per device, from the rule table."""
+    params = shapes.sharded_bytes(c, "params")
+    opt = shapes.sharded_bytes(c, "opt_state") * shapes.opt_bytes_per_param_byte
+    return params + opt + shapes.sharded_bytes(c, "grads")
 
 
 def memory_estimate(c: Candidate, shapes: ModelShapes, lengths: tuple[int, int]) -> float:
-    """Analytic per-device bytes: parameters, optimizer state, gradients, activations."""
-    params = shapes.sharded_bytes(c, "params")
-    opt = shapes.sharded_bytes(c, "opt_state") * shapes.opt_bytes_per_param_byte
-    grads = shapes.sharded_bytes(c, "grads")
-    return params + opt + grads + _activation_bytes(c, shapes.config, lengths)
+    """Per-device bytes: the state exactly, activations by the calibrated model."""
+    return static_bytes(c, shapes) + activations(c, shapes.config, lengths).bytes()
 
 
 def comm_estimate(

@@ -10,6 +10,7 @@ compiler options (`xla_options`), so the program analysed is the one the cluster
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -75,7 +76,32 @@ def compile_step(step: ShardedStep, batch_size: int, input_length: int, target_l
     """The compiled (`jax.stages.Compiled`) train step for batches of this shape."""
     state = abstract_state(step)
     batch = abstract_batch(step, batch_size, input_length, target_length)
-    return step.lower(state, batch).compile()
+    with _persistent_cache(not _compile_only(step.mesh.devices.flat[0])):
+        return step.lower(state, batch).compile()
+
+
+def _compile_only(device: Any) -> bool:
+    """Whether `device` is a compile-only device (a deviceless target), not this process's."""
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend of that platform here
+        return True
+
+
+@contextlib.contextmanager
+def _persistent_cache(enabled: bool):
+    """A compile-only program cannot be read back from jax's persistent cache (there is no
+    client to load it on), so it is not written there: jax writes only programs that took
+    longer to compile than its threshold (whether the cache is used at all is fixed per
+    process)."""
+    option = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, option)
+    if not enabled:
+        jax.config.update(option, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(option, before)
 
 
 @dataclasses.dataclass

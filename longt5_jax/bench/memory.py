@@ -1,0 +1,208 @@
+"""The planner's memory estimate against the compiled GPU program, over a grid of layouts.
+
+Each candidate (model, input length, global batch, data x tensor x pipeline, ZeRO stage, remat)
+is compiled deviceless for the target cluster and its per-device memory (XLA's GPU buffer
+assignment) set beside the analytic estimate (`plan/memory_model.py`). `--fit` refits the
+model's two coefficients per remat policy on the grid and shows the estimate before and after;
+the fitted values are what `memory_model.CALIBRATION` holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from longt5_jax.plan import targets
+
+# model:input_length:batch -> candidates "data,tensor,pipeline,zero,microbatches,repeats,remat"
+GRID = {
+    "base:4096:128": [
+        "32,1,1,0,0,1,full", "32,1,1,3,0,1,full", "32,1,1,1,0,1,save_dots",
+        "32,1,1,2,0,1,none", "8,4,1,1,0,1,full", "8,4,1,1,0,1,save_dots",
+        "4,4,2,1,8,1,full", "16,1,2,0,4,2,full",
+    ],
+    "large:4096:256": [
+        "32,1,1,1,0,1,full", "16,2,1,2,0,1,save_dots", "8,4,1,0,0,1,none", "8,2,2,1,4,1,full",
+    ],
+    "xl:8192:128": [
+        "32,1,1,2,0,1,full", "32,1,1,3,0,1,save_dots", "8,4,1,1,0,1,full", "8,4,1,3,0,1,none",
+        "4,4,2,1,8,1,full", "16,2,1,2,0,1,save_dots",
+    ],
+    "xl:16384:64": [
+        "32,1,1,3,0,1,full", "16,2,1,2,0,1,full", "8,4,1,1,0,1,full", "8,4,1,3,0,1,save_dots",
+    ],
+}  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m longt5_jax.bench memory", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--target", default="a100-80gb", help="a100-80gb, h100-80gb or a file")
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--gpus_per_node", type=int, default=4)
+    p.add_argument("--grid", nargs="+", help="MODEL:LENGTH:BATCH=d,t,p,zero,m,r,remat[;...]")
+    p.add_argument("--attention", default="tglobal")
+    p.add_argument("--target_length", type=int, default=512)
+    p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
+    p.add_argument("--fit", action="store_true", help="refit the calibration on this grid")
+    p.add_argument("--out_dir", default="bench_out")
+    return p
+
+
+def _grid(args: argparse.Namespace) -> dict[str, list[str]]:
+    if not args.grid:
+        return GRID
+    out = {}
+    for item in args.grid:
+        key, sep, cands = item.partition("=")
+        if not sep or key.count(":") != 2:
+            raise ValueError(f"--grid {item!r}: expected MODEL:LENGTH:BATCH=d,t,p,zero,m,r,remat")
+        out[key] = cands.split(";")
+    return out
+
+
+def _candidate(text: str, batch: int):
+    from longt5_jax.plan.candidates import Candidate
+
+    parts = text.split(",")
+    if len(parts) != 7:
+        raise ValueError(f"candidate {text!r}: expected d,t,p,zero,microbatches,repeats,remat")
+    *numbers, remat = parts
+    return Candidate(*(int(n) for n in numbers), remat, batch)
+
+
+def _measure(args, devices) -> list[dict]:
+    from longt5_jax.model import LongT5Config
+    from longt5_jax.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.plan import candidates as cands
+    from longt5_jax.plan import compile_ahead
+
+    optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
+    rows = []
+    for key, texts in _grid(args).items():
+        model, length, batch = key.split(":")
+        config = LongT5Config.preset(model, args.attention, dtype="bfloat16")
+        shapes = cands.ModelShapes.of(config, optimizer)
+        lengths = (int(length), args.target_length)
+        for text in texts:
+            c = _candidate(text, int(batch))
+            print(f"compiling {model}@{length} {c.label()}", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            compiled = compile_ahead.compile_for(
+                dataclasses.replace(config, remat=c.remat),
+                c.mesh(),
+                devices,
+                args.gpus_per_node,
+                (c.batch_size, *lengths),
+                optimizer=optimizer,
+            )
+            static = cands.static_bytes(c, shapes)
+            rows.append(
+                dict(
+                    model=model,
+                    input_length=int(length),
+                    candidate=c.label(),
+                    activations=cands.activations(c, config, lengths),
+                    static=static,
+                    compiled=compiled.memory().total,
+                    compile_s=time.perf_counter() - start,
+                )
+            )
+    return rows
+
+
+def _table(rows: list[dict], calibrations: dict[str, dict]) -> None:
+    names = list(calibrations)
+    print(
+        f"{'model':<12} {'candidate':<44} {'compiled GiB':>12} "
+        + " ".join(f"{n + ' GiB':>11} {'ratio':>5}" for n in names)
+    )
+    for r in rows:
+        cells = []
+        for calibration in calibrations.values():
+            est = r["static"] + r["activations"].bytes(calibration)
+            cells.append(f"{est / 2**30:>11.2f} {r['compiled'] / est:>5.2f}")
+        print(
+            f"{r['model'] + '@' + str(r['input_length']):<12} {r['candidate']:<44} "
+            f"{r['compiled'] / 2**30:>12.2f} " + " ".join(cells)
+        )
+    for name, calibration in calibrations.items():
+        worst = max(abs(r["compiled"] / _estimate(r, calibration) - 1) for r in rows)
+        print(f"{name}: worst |compiled / estimate - 1| = {worst:.1%}")
+
+
+def _estimate(row: dict, calibration: dict) -> float:
+    return row["static"] + row["activations"].bytes(calibration)
+
+
+def _plot(rows: list[dict], calibrations: dict[str, dict], path: Path) -> None:
+    import matplotlib  # imported here: only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    top = max(r["compiled"] for r in rows) / 2**30
+    for name, calibration in calibrations.items():
+        ax.scatter(
+            [r["compiled"] / 2**30 for r in rows],
+            [_estimate(r, calibration) / 2**30 for r in rows],
+            label=name,
+        )
+    ax.plot([0, top], [0, top], "k-", lw=0.8)
+    ax.plot([0, top], [0, 1.15 * top], "k:", lw=0.6)
+    ax.plot([0, top], [0, top / 1.15], "k:", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compiled GiB per device")
+    ax.set_ylabel("estimated GiB per device")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _grid(args)
+        target = targets.load(args.target)
+        if not target.is_gpu:
+            raise ValueError("--target: the calibration is against a GPU compile")
+        if not targets.have_gpu_compiler():
+            raise ValueError(targets.GPU_EXTRA_MISSING)
+        targets.prepare_environment()
+        devices = targets.devices(target, args.nodes, args.gpus_per_node)
+        rows = _measure(args, devices)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from longt5_jax.plan import memory_model
+
+    calibrations = {"estimate": memory_model.CALIBRATION}
+    if args.fit:
+        samples = [(r["activations"], r["compiled"] - r["static"]) for r in rows]
+        fitted = memory_model.fit(samples)
+        calibrations["refit"] = {**memory_model.CALIBRATION, **fitted}
+        print("refit: " + ", ".join(f"{k}: ({a:.2f}, {b:.1f})" for k, (a, b) in fitted.items()))
+    _table(rows, calibrations)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "calibrations": calibrations,
+        "rows": [
+            {**r, "activations": dataclasses.asdict(r["activations"])}
+            | {f"estimate_{n}": _estimate(r, c) for n, c in calibrations.items()}
+            for r in rows
+        ],
+    }
+    (out / "memory.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'memory.json'}")
+    _plot(rows, calibrations, out / "memory.png")
+    return 0

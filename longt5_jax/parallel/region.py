@@ -1,0 +1,188 @@
+"""The step's per-shard region: loss and gradients computed on each shard's own rows, reduced once.
+
+Under GSPMD's automatic partitioning, a loop over microbatches (gradient accumulation, pipeline
+iterations) that differentiates data-replicated weights reduces their gradients over `data`
+inside every iteration, and reshuffles rows between devices. Here the step instead runs its
+loss and gradients in a `shard_map` that is manual over `data` (and `pipeline`, when
+pipelining): each device differentiates its own copy of the parameters on its own rows, so no
+reduction is inserted, accumulates them unreduced, and reduces once at the end, straight into
+the ZeRO layout (all-reduce, or reduce-scatter where gradients are split over `data`); the
+statistics are summed likewise. Tensor parallelism stays automatic inside.
+
+Parameters enter whole over `data` (ZeRO-3's shards are gathered once, at entry, for the whole
+step) and, when pipelining, split over `pipeline` as the pipeline holds them: each stage its own
+layers, in stage-major order (`pipeline.stage_major`). Batch rows are split over `data` and,
+when pipelining, over `pipeline` too, so the embeddings, the LM head and the loss run on 1/p of
+the rows on each stage instead of all of them on every stage.
+
+Inside, the logical rules map nothing to a manual axis (a constraint naming one would be an
+error); dropout keys fold in the shard's position, so every shard draws its own masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from longt5_jax.parallel import pipeline as pp
+
+DATA, PIPELINE = "data", "pipeline"
+
+
+def _only(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """`spec` with every mesh axis but `axes` dropped."""
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n in axes)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def _axis_of(spec: PartitionSpec, axis: str) -> int | None:
+    """The dimension `spec` splits over `axis`, if any."""
+    for dim, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return dim
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRegion:
+    """Runs per-shard loss/gradient functions on a mesh and reduces their results once."""
+
+    mesh: Mesh
+    param_shardings: Any
+    grad_shardings: Any
+    pipeline: pp.Pipeline | None
+    reduce_dtype: jnp.dtype = jnp.float32  # bfloat16 halves the bytes of the reduction
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        return (DATA, PIPELINE) if self.pipeline else (DATA,)
+
+    def _batch_spec(self) -> PartitionSpec:
+        return PartitionSpec(self.manual if self.pipeline else DATA)
+
+    def _param_specs(self) -> Any:
+        return jax.tree.map(lambda s: _only(s.spec, (PIPELINE,)), self.param_shardings)
+
+    def _grad_specs(self) -> Any:
+        return jax.tree.map(lambda s: _only(s.spec, self.manual), self.grad_shardings)
+
+    def _enter(self, params: Any) -> Any:
+        """Parameters laid out for the region: stacked pipeline layers stage-major."""
+        if not self.pipeline or self.pipeline.repeats == 1:
+            return params
+
+        def one(w, sharding):
+            if _axis_of(sharding.spec, PIPELINE) != 0:
+                return w
+            w = pp.stage_major(w, self.pipeline)
+            return jax.lax.with_sharding_constraint(w, sharding)
+
+        return jax.tree.map(one, params, self.param_shardings)
+
+    def _exit(self, grads: Any) -> Any:
+        """Gradients back from stage-major to layer order."""
+        if not self.pipeline or self.pipeline.repeats == 1:
+            return grads
+
+        def one(g, sharding):
+            if _axis_of(sharding.spec, PIPELINE) != 0:
+                return g
+            return jax.lax.with_sharding_constraint(pp.layer_major(g, self.pipeline), sharding)
+
+        return jax.tree.map(one, grads, self.grad_shardings)
+
+    def _inner_rules(self, rules: tuple) -> tuple:
+        def drop(target):
+            names = target if isinstance(target, tuple) else (target,)
+            kept = tuple(n for n in names if n is not None and n not in self.manual)
+            return kept[0] if len(kept) == 1 else (kept or None)
+
+        return tuple((name, drop(target)) for name, target in rules)
+
+    def _vary(self, tree: Any, specs: Any) -> Any:
+        """Mark each leaf varying over the manual axes it is not split over."""
+
+        def one(x, spec):
+            axes = tuple(a for a in self.manual if _axis_of(spec, a) is None)
+            return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+        return jax.tree.map(one, tree, specs)
+
+    def _rng(self, rng: jax.Array | None) -> jax.Array | None:
+        if rng is None:
+            return None
+        for axis in self.manual:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        return rng
+
+    def _reduce(self, g: jax.Array, spec: PartitionSpec, want: PartitionSpec) -> jax.Array:
+        """Sum a gradient over the shards: over `pipeline` where it is not split (the stages'
+        layers are), over `data` into its ZeRO layout."""
+        if self.pipeline and _axis_of(spec, PIPELINE) is None:
+            g = jax.lax.psum(g, PIPELINE)
+        dtype, g = g.dtype, g.astype(self.reduce_dtype)
+        dim = _axis_of(want, DATA)
+        if dim is None:
+            g = jax.lax.psum(g, DATA)
+        else:
+            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+        return g.astype(dtype)
+
+    def grads(
+        self,
+        fn: Callable[[Any, Any, jax.Array | None], tuple[dict, Any]],
+        params: Any,
+        batch: Any,
+        rng: jax.Array | None,
+    ) -> tuple[dict, Any]:
+        """fn(params, local rows, rng) -> (summed statistics, summed gradients) of one shard;
+        returns their sums over the mesh, gradients in the grad layout."""
+        param_specs, grad_specs = self._param_specs(), self._grad_specs()
+
+        def local(params, batch, rng):
+            stats, grads = fn(self._vary(params, param_specs), batch, self._rng(rng))
+            stats = jax.tree.map(lambda s: jax.lax.psum(s, self.manual), stats)
+            grads = jax.tree.map(self._reduce, grads, param_specs, grad_specs)
+            return stats, grads
+
+        region = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(param_specs, self._batch_spec(), PartitionSpec()),
+            out_specs=(PartitionSpec(), grad_specs),
+            axis_names=set(self.manual),
+            check_vma=True,
+        )
+        with nn.logical_axis_rules(self._inner_rules(nn.get_logical_axis_rules())):
+            stats, grads = region(self._enter(params), batch, rng)
+        return stats, self._exit(grads)
+
+    def stats(self, fn: Callable[[Any, Any], dict], params: Any, batch: Any) -> dict:
+        """fn(params, local rows) -> summed statistics of one shard; their sums over the mesh."""
+        param_specs = self._param_specs()
+
+        def local(params, batch):
+            stats = fn(self._vary(params, param_specs), batch)
+            return jax.tree.map(lambda s: jax.lax.psum(s, self.manual), stats)
+
+        region = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(param_specs, self._batch_spec()),
+            out_specs=PartitionSpec(),
+            axis_names=set(self.manual),
+            check_vma=True,
+        )
+        with nn.logical_axis_rules(self._inner_rules(nn.get_logical_axis_rules())):
+            return region(self._enter(params), batch)
