@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5
 from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.region import ShardRegion
 from longt5_jax.parallel.sharding import activation_context, optimizer_shardings, tree_shardings
 from longt5_jax.xla_options import compiler_options
 
@@ -102,7 +103,11 @@ def loss_and_grads(
         grads, stats = grad_fn(params, batch, rng)
         return stats, grads
     k = cfg.microbatches
-    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    # Microbatch i is rows i, i + k, ...: each keeps its share of every shard of the rows, so
+    # splitting moves nothing between devices.
+    micro = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch
+    )
     rngs = None if rng is None else jax.random.split(rng, k)
 
     def body(carry, xs):
@@ -110,18 +115,27 @@ def loss_and_grads(
         grads, stats = grad_fn(params, b, r)
         return jax.tree.map(jnp.add, carry, (stats, grads)), None
 
-    zeros = jax.tree.map(
-        jnp.zeros_like,
-        jax.eval_shape(
-            grad_fn, params, jax.tree.map(lambda x: x[0], micro), None if rngs is None else rngs[0]
-        )[::-1],
-    )
-    (stats, grads), _ = jax.lax.scan(body, zeros, (micro, rngs))
+    sums = jax.eval_shape(
+        grad_fn, params, jax.tree.map(lambda x: x[0], micro), None if rngs is None else rngs[0]
+    )[::-1]
+    (stats, grads), _ = jax.lax.scan(body, jax.tree.map(_zeros, sums), (micro, rngs))
     return stats, grads
 
 
+def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of `like`'s shape and type; inside a manual region, varying over the same axes
+    (a sum carried through a loop must be typed like what is added to it)."""
+    zeros = jnp.zeros(like.shape, like.dtype)
+    manual = getattr(like, "manual_axis_type", None)
+    varying = tuple(sorted(getattr(like, "vma", None) or getattr(manual, "varying", ())))
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
+Gradients = Callable[[Any, Batch, "jax.Array | None"], tuple[dict[str, jax.Array], Any]]
+
+
 def train_step(
-    model: LongT5,
+    gradients: Gradients,
     cfg: StepConfig,
     optimizer: optax.GradientTransformation,
     grad_constraint: Callable[[Any], Any],
@@ -129,8 +143,9 @@ def train_step(
     batch: Batch,
     rng: jax.Array | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter)."""
-    stats, grads = loss_and_grads(model, cfg, state.params, batch, rng)
+    """One optimizer update. `gradients(params, batch, rng)` gives the summed statistics and
+    gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter)."""
+    stats, grads = gradients(state.params, batch, rng)
     scale = 1.0 / stats["weight"] if cfg.loss_normalization == "tokens" else 1.0
     grads = grad_constraint(jax.tree.map(lambda g: g * scale, grads))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -182,6 +197,19 @@ class ShardedStep:
         )
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self._step = None
+        # Accumulation and pipelines reduce once, from a region manual over data (and
+        # pipeline); a plain step lets XLA reduce each layer's gradients as the backward pass
+        # produces them, overlapping the reduction with the layers still to come.
+        self.region = None
+        if self.step_cfg.microbatches > 1 or self.plan.pipeline > 1:
+            reduce = jnp.bfloat16 if self.step_cfg.grad_dtype == "bfloat16" else jnp.float32
+            self.region = ShardRegion(
+                self.mesh,
+                self.param_shardings,
+                self.grad_shardings,
+                self.plan.pipeline_plan(),
+                reduce,
+            )
 
     def init(self, key: jax.Array) -> TrainState:
         """Parameters and optimizer state created directly in their shards."""
@@ -199,10 +227,16 @@ class ShardedStep:
     def _constrain_grads(self, grads: Any) -> Any:
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
 
+    def _gradients(self, params: Any, batch: Batch, rng: jax.Array | None):
+        local = functools.partial(loss_and_grads, self.model, self.step_cfg)
+        if self.region is None:
+            return local(params, batch, rng)
+        return self.region.grads(local, params, batch, rng)
+
     def _jitted(self):
         if self._step is None:
             fn = functools.partial(
-                train_step, self.model, self.step_cfg, self.optimizer, self._constrain_grads
+                train_step, self._gradients, self.step_cfg, self.optimizer, self._constrain_grads
             )
             self._step = jax.jit(
                 fn,
@@ -225,4 +259,13 @@ class ShardedStep:
     def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
         """Summed loss, weight and correct tokens of a global `batch` (no dropout, no update)."""
         with self._context():
+            if self.plan.pipeline > 1:  # the pipeline runs in the region's stage axis
+                return self._eval_region(params, batch)
             return eval_stats(self.model, params, batch)
+
+    @functools.cached_property
+    def _eval_region(self):
+        def stats(params, batch):
+            return _summed_loss(self.model, params, batch, 0.0, None)[1]
+
+        return jax.jit(functools.partial(self.region.stats, stats))

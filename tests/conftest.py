@@ -3,7 +3,8 @@
 Compile time dominates the suite, so tests compile with LLVM's optimisations off (the programs
 are tiny: they run as fast either way) and share a persistent compilation cache, which every
 process the tests start inherits: the same program compiled by another test, another process or
-the slow run is read back instead.
+the slow run is read back instead (programs that took half a second or more to compile: the
+many tiny eager ops would cost more to write than to compile).
 """
 
 import os
@@ -20,7 +21,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla")
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402

@@ -1,12 +1,15 @@
 """Compile the tiny model's train step for every given parallel gin file, deviceless, for 8 nodes
 x 4 A100-80GB with the shipped GPU options (`xla_options.GPU_OPTIONS`): data fills the 32 GPUs,
-2 accumulation microbatches, the gin file's pipeline plan. Run in its own process by
-`test_gpu_compile.py`, so that a compiler crash (an XLA CHECK failure aborts the process) fails
-the test naming the file instead of killing the test run.
+2 accumulation microbatches, bf16 gradient reduction, the gin file's pipeline plan. Prints one
+JSON line per file: the layout, its tensor groups' nodes, and the bytes per device by kind.
+
+Run in its own process by `test_gpu_compile.py`, so that a compiler crash (an XLA CHECK failure
+aborts the process) fails the test naming the file instead of killing the test run.
 
     python tests/gpu_compile_configs.py configs/parallel/*.gin
 """
 
+import json
 import sys
 
 from longt5_jax.plan import targets
@@ -15,23 +18,37 @@ targets.prepare_environment()
 
 from longt5_jax import configuration  # noqa: E402
 from longt5_jax.model import LongT5Config  # noqa: E402
-from longt5_jax.plan import compile_ahead  # noqa: E402
+from longt5_jax.plan import compile_ahead, hlo  # noqa: E402
 from longt5_jax.step import StepConfig  # noqa: E402
+
+SHAPE = (256, 64, 16)  # global batch (every pipeline plan and 2 microbatches divide it), lengths
+STEP = StepConfig(microbatches=2, grad_dtype="bfloat16")
 
 
 def main(paths: list[str]) -> int:
     devices = targets.devices(targets.load("a100-80gb"), 8, 4)
     # Four layers per stack, so that every pipeline plan (up to 4 stages, 2 x 2 circular) divides.
     layers = dict(num_encoder_layers=4, num_decoder_layers=4)
-    config = LongT5Config.preset("tiny", "tglobal", dtype="bfloat16", **layers)
+    config = LongT5Config.preset("tiny", "tglobal", dtype="bfloat16", remat="full", **layers)
     for path in paths:
         configuration.parse([path], ["MeshConfig.data = -1"])
         plan = configuration.build(configuration.MeshConfig)
-        print(f"compiling {path}", flush=True)
-        compiled = compile_ahead.compile_for(
-            config, plan, devices, 4, (128, 64, 16), StepConfig(microbatches=2)
-        )
-        print(f"compiled {path}: {compiled.memory().total} bytes per device", flush=True)
+        print(f"compiling {path}", file=sys.stderr, flush=True)
+        compiled = compile_ahead.compile_for(config, plan, devices, 4, SHAPE, STEP)
+        mesh = compiled.step.mesh
+        tensor_nodes = [  # the nodes of each tensor group's devices
+            sorted({d.process_index for d in mesh.devices[i, :, j]})
+            for i in range(mesh.devices.shape[0])
+            for j in range(mesh.devices.shape[2])
+        ]
+        row = {
+            "path": path,
+            "mesh": dict(mesh.shape),
+            "tensor_nodes": tensor_nodes,
+            "bytes": hlo.bytes_by_kind(compiled.collectives),
+            "memory": compiled.memory().total,
+        }
+        print(json.dumps(row), flush=True)
     return 0
 
 

@@ -172,9 +172,9 @@ def test_stages_pass_activations_and_never_gather_all_weights(reference, batch):
 
 
 def test_pipeline_settings_that_cannot_work_are_one_line_errors(capsys):
-    with pytest.raises(ValueError, match="microbatches=1 < stages=2"):
-        Pipeline(2, 1)
-    with pytest.raises(ValueError, match="pipeline_microbatches=2 is fewer than the 4"):
+    with pytest.raises(ValueError, match="microbatches=3 is not a multiple of stages=2"):
+        Pipeline(2, 3)
+    with pytest.raises(ValueError, match="pipeline_microbatches=2 is not a multiple of the 4"):
         MeshConfig(pipeline=4, pipeline_microbatches=2)
     plan = MeshConfig(data=2, pipeline=4, pipeline_repeats=2)
     with pytest.raises(ValueError, match=r"num_encoder_layers=4 is not divisible by .* \(4 x 2\)"):

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from longt5_jax.model import LongT5Config
+from longt5_jax.parallel.mesh import node_of
 from longt5_jax.plan import candidates, targets
 from longt5_jax.plan import planner as plan
 
@@ -105,13 +106,13 @@ def test_targets_carry_their_figures(tmp_path):
 def test_compile_only_gpus_sit_on_their_nodes():
     devices = targets.devices(targets.load("a100-80gb"), 8, 4)
     assert len(devices) == 32 and devices[0].platform == "gpu"
-    assert targets.node_of(devices, 4) == [d // 4 for d in range(32)]
+    assert node_of(devices, 4) == [d // 4 for d in range(32)]
 
 
 def test_cpu_devices_fill_nodes_in_order():
     devices = jax.devices()  # the test process's 8 fake CPU devices, one process
-    assert targets.node_of(devices, 4) == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert targets.node_of(devices[::-1], 2) == [3, 3, 2, 2, 1, 1, 0, 0]
+    assert node_of(devices, 4) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert node_of(devices[::-1], 2) == [3, 3, 2, 2, 1, 1, 0, 0]
 
 
 def test_gpu_specs_ship_with_the_package():

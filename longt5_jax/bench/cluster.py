@@ -47,10 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--batch_size", type=int, default=512, help="global batch")
     p.add_argument("--accumulation", type=int, default=4, help="gradient accumulation microbatches")
-    p.add_argument("--pipeline_microbatches", type=int, default=8)
+    p.add_argument("--pipeline_microbatches", type=int, default=16)
     p.add_argument("--remat", default="full")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
+    p.add_argument(
+        "--grad_dtype", default="float32", choices=["float32", "bfloat16"],
+        help="the gradient reduction's dtype (bfloat16: the paper's half-precision gradients)",
+    )  # fmt: skip
     p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the pessimistic bound")
     p.add_argument("--peak_tflops", type=float, help="per GPU, dense bf16 (default: the target's)")
     p.add_argument("--hbm_gbps", type=float, help="per GPU (default: the target's)")
@@ -76,7 +80,8 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
     from longt5_jax.model import LongT5Config
     from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.parallel.mesh import MeshConfig, check_fits
-    from longt5_jax.plan import compile_ahead, cost
+    from longt5_jax.plan import comm_model, compile_ahead, cost
+    from longt5_jax.plan.shapes import ModelShapes
     from longt5_jax.step import StepConfig
 
     tensor, pipe, zero = STRATEGIES[strategy]
@@ -96,17 +101,22 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
         layers,
     )
     start = time.perf_counter()
+    optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
+    target = args.target_length
     compiled = compile_ahead.compile_for(
         config,
         plan,
         devices,
         args.gpus_per_node,
-        (args.batch_size, length, args.target_length),
-        StepConfig(microbatches=args.accumulation),
-        make_optimizer(OptimizerConfig(name=args.optimizer)),
+        (args.batch_size, length, target),
+        StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype),
+        optimizer,
     )
     a = compiled.analyse(cluster)
     b, n = args.batch_size, cluster.devices
+    shapes = ModelShapes.of(config, optimizer)
+    step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
+    model = comm_model.volumes(shapes, comm_model.Layout.of(plan, n, step, (b, length, target)))
     lengths = (length, args.target_length)
     remat = "full" if pipe > 1 else args.remat
     executed = flops.executed_flops_per_step(config, b, *lengths, remat)
@@ -136,6 +146,7 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
         "comm_share": mfu_time.comm_share,
         "exposed_share": a["exposed_comm_s"] / (roof + a["exposed_comm_s"]),
         "model_tflops_per_step": model_flops / 1e12,
+        "comm_model_bytes": comm_model.by_kind(model),
         "paper": dict(
             zip(("samples_per_s", "memory_pct", "comm_pct"), PAPER[strategy], strict=True)
         ),
@@ -147,7 +158,8 @@ def _print(rows: list[dict], cluster) -> None:
         f"{'strategy':<10} {'model':<10} {'d/t/p':>7} {'GiB':>6} {'mem%':>5} {'AR GB':>6} "
         f"{'AG GB':>6} {'RS GB':>6} {'CP GB':>6} {'NVL GB':>6} {'IB GB':>6} {'MFU s':>6} "
         f"{'roof s':>6} {'comm s':>6} {'expo s':>6} {'samples/s: MFU':>15} "
-        f"{'roofline':>20} {'ceil':>6} {'comm%':>5} {'expo%':>5}   paper: samples/s mem% comm%"
+        f"{'roofline':>20} {'ceil':>6} {'comm%':>5} {'expo%':>5} {'/model':>6}   "
+        "paper: samples/s mem% comm%"
     )
     for r in rows:
         kind, link, s = r["collectives"]["kind"], r["collectives"]["link"], r["samples_per_s"]
@@ -166,7 +178,9 @@ def _print(rows: list[dict], cluster) -> None:
             f"{link['nvlink'] / 1e9:>6.2f} {link['ib'] / 1e9:>6.2f} {r['compute_mfu_s']:>6.2f} "
             f"{r['compute_roofline_s']:>6.2f} {r['comm_s']:>6.2f} {r['exposed_comm_s']:>6.2f} "
             f"{mfu:>15} {roof:>20} {s['ceiling']:>6.0f} {100 * r['comm_share']:>5.1f} "
-            f"{100 * r['exposed_share']:>5.1f}   {paper['samples_per_s']:>5} "
+            f"{100 * r['exposed_share']:>5.1f} "
+            f"{sum(kind.values()) / sum(r['comm_model_bytes'].values()):>6.3f}   "
+            f"{paper['samples_per_s']:>5} "
             f"{paper['memory_pct']:>5} {paper['comm_pct']:>5}"
         )
     print(
@@ -177,7 +191,8 @@ def _print(rows: list[dict], cluster) -> None:
         "its link's bandwidth; expo s: what XLA's schedule leaves exposed. samples/s: MFU s with "
         "no overlap - full overlap; roofline no overlap / as scheduled / full overlap; ceil: "
         "model FLOPs at 100% of peak. comm%: comm s / (MFU s + comm s), the paper's "
-        "'communication wait'; expo%: expo s / (roof s + expo s)."
+        "'communication wait'; expo%: expo s / (roof s + expo s); /model: the bytes against "
+        "the analytic communication model (plan/comm_model.py)."
     )
 
 
@@ -249,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.attention} {args.batch_size} x {{input}}/{args.target_length} in "
         f"{args.accumulation} accumulation microbatches, {args.dtype}, remat {args.remat}, "
-        f"{args.optimizer}; compiled for {target.name}"
+        f"{args.optimizer}, {args.grad_dtype} gradient reduction; compiled for {target.name}"
     )
     _print(results, cluster)
     out = Path(args.out_dir)

@@ -81,13 +81,14 @@ def _measure(args, devices) -> list[dict]:
     from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.plan import candidates as cands
     from longt5_jax.plan import compile_ahead
+    from longt5_jax.plan.shapes import ModelShapes
 
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
     rows = []
     for key, texts in _grid(args).items():
         model, length, batch = key.split(":")
         config = LongT5Config.preset(model, args.attention, dtype="bfloat16")
-        shapes = cands.ModelShapes.of(config, optimizer)
+        shapes = ModelShapes.of(config, optimizer)
         lengths = (int(length), args.target_length)
         for text in texts:
             c = _candidate(text, int(batch))

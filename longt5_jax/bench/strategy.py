@@ -4,8 +4,10 @@ Each strategy (DP, ZeRO 1-3, TP+DP, TP+PP+DP) runs the same model and batch on t
 (fake CPU devices here). Throughput is measured by real steps, alternating strategies so drift
 hits all alike; on fake devices every "device" shares the host's cores, so it ranks the
 strategies' overheads, not a GPU's speed. Memory per device and collective bytes per step come
-from the compiled executable (`plan/hlo.py`). The communication share is estimated for
-a target interconnect and compute rate: comm / (comm + compute), compute = model FLOPs / (peak x
+from the compiled program (`plan/hlo.py`): with `--target a100-80gb` (the default) or
+`h100-80gb`, the same strategy compiled deviceless for `--nodes x --gpus_per_node` GPUs (data
+filling them); with `--target cpu`, the local devices' own program. The communication share is
+estimated for the target: comm / (comm + compute), compute = model FLOPs / (peak x
 efficiency), each collective at the intra- or inter-node bandwidth its groups need (`cost.py`).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -26,8 +29,7 @@ from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, check_fits
 from longt5_jax.plan import compile_ahead as aot
-from longt5_jax.plan import cost, hlo
-from longt5_jax.plan.targets import node_of
+from longt5_jax.plan import cost, hlo, targets
 
 # name -> (data, tensor, pipeline, zero stage); pipelines run 2 x stages microbatches.
 STRATEGIES = {
@@ -59,7 +61,14 @@ def parse_overrides(pairs: list[str]) -> dict:
 class _Run:
     """One strategy: state, compiled step, and its measurements."""
 
-    def __init__(self, name: str, config: LongT5Config, batch: dict, args: argparse.Namespace):
+    def __init__(
+        self,
+        name: str,
+        config: LongT5Config,
+        batch: dict,
+        args: argparse.Namespace,
+        target_devices: list | None,
+    ):
         data, tensor, pipe, zero = STRATEGIES[name]
         micro = 2 * pipe if pipe > 1 else 0
         self.plan = MeshConfig(data, tensor, pipe, zero, pipeline_microbatches=micro)
@@ -67,15 +76,20 @@ class _Run:
         b = args.batch_size
         check_fits(self.plan, 8, config.num_heads, config.d_ff, config.vocab_size, b, layers)
         self.name = name
-        self.step = aot.sharded_step(config, self.plan)
+        # The 8 devices stand for nodes of --gpus_per_node: laid out, and charged, as such.
+        self.step = aot.sharded_step(config, self.plan, per_node=args.gpus_per_node)
         self.state = self.step.init(jax.random.key(0))
         self.batch = jax.device_put(batch, self.step.batch_sharding)
         lengths = (args.batch_size, args.input_length, args.target_length)
         self.compiled = aot.compile_step(self.step, *lengths)
-        self.memory = hlo.memory(self.compiled)
-        self.ops = hlo.collectives(self.compiled.as_text())
-        devices = list(self.step.mesh.devices.flat)
-        self.placement = hlo.Placement.of(self.step.mesh, node_of(devices, args.gpus_per_node))
+        if target_devices:  # memory and collectives: the target's program (data fills it)
+            plan = dataclasses.replace(self.plan, data=-1)
+            program = aot.compile_for(config, plan, target_devices, args.gpus_per_node, lengths)
+        else:
+            program = aot.CompiledStep(self.step, self.compiled, args.gpus_per_node)
+        self.mesh = dict(program.step.mesh.shape)
+        self.memory = program.memory()
+        self.ops, self.placement = program.collectives, program.placement
         self.times: list[float] = []
         self()  # warm up
         self.times = []
@@ -90,10 +104,10 @@ class _Run:
 def _row(run: _Run, args: argparse.Namespace, cluster: cost.Cluster, model_flops: float) -> dict:
     seconds = float(np.median(run.times))
     comm = cost.comm_seconds(run.ops, run.placement, cluster)
-    compute = cost.compute_seconds(model_flops, 8, cluster)
+    compute = cost.compute_seconds(model_flops, cluster.devices, cluster)
     return {
         "strategy": run.name,
-        "mesh": {"data": run.plan.data, "tensor": run.plan.tensor, "pipeline": run.plan.pipeline},
+        "mesh": run.mesh,
         "zero_stage": run.plan.zero_stage,
         "step_s": seconds,
         "samples_per_s": args.batch_size / seconds,
@@ -106,7 +120,7 @@ def _row(run: _Run, args: argparse.Namespace, cluster: cost.Cluster, model_flops
     }
 
 
-def _print_table(rows: list[dict]) -> None:
+def _print_table(rows: list[dict], target: str) -> None:
     kinds = ("AR", "AG", "RS", "CP", "A2A")
     print(
         f"{'strategy':<9} {'d/t/p':>6} {'samples/s':>9} {'tokens/s':>9} {'MiB/dev':>8} "
@@ -120,10 +134,16 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['memory']['total'] / 2**20:>8.1f} {r['memory']['temporaries'] / 2**20:>8.1f} "
             f"{moved} {r['target_comm_share']:>6.1%}"
         )
+    whose = (
+        "the CPU compiler's: CPU GSPMD emits a reduce-scatter as all-reduce + dynamic-slice, so "
+        "ZeRO-2/3 gradients show as AR here"
+        if target == "cpu"
+        else f"the {target} program's, compiled deviceless (d/t/p: its mesh)"
+    )
     print(
-        "AR all-reduce, AG all-gather, RS reduce-scatter, CP collective-permute, A2A all-to-all: "
-        "bytes per device per step (ring model). CPU GSPMD emits a reduce-scatter as all-reduce "
-        "+ dynamic-slice, so ZeRO-2/3 gradients show as AR here. Memory is the CPU compiler's."
+        "samples/s, tokens/s: measured on the local devices. AR all-reduce, AG all-gather, RS "
+        "reduce-scatter, CP collective-permute, A2A all-to-all: bytes per device per step (ring "
+        f"model). Memory and bytes are {whose}."
     )
 
 
@@ -162,10 +182,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input_length", type=int, default=512)
     p.add_argument("--target_length", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
+    p.add_argument(
+        "--target",
+        default="a100-80gb",
+        help="whose program the memory and collectives are: a100-80gb, h100-80gb (compiled "
+        "deviceless for --nodes x --gpus_per_node, data filling them), or cpu (the 8 local "
+        "devices' program, as nodes of --gpus_per_node)",
+    )
+    p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--gpus_per_node", type=int, default=4)
-    p.add_argument("--intra_node_gbps", type=float, default=300.0, help="GB/s, e.g. NVLink")
-    p.add_argument("--inter_node_gbps", type=float, default=25.0, help="GB/s, e.g. IB HDR 200")
-    p.add_argument("--peak_tflops", type=float, default=312.0)
+    p.add_argument("--intra_node_gbps", type=float, help="GB/s (default: the target's NVLink)")
+    p.add_argument("--inter_node_gbps", type=float, help="GB/s (default: the target's NIC)")
+    p.add_argument("--peak_tflops", type=float, help="per GPU (default: the target's)")
     p.add_argument("--efficiency", type=float, default=0.4, help="assumed fraction of peak")
     p.add_argument("--out_dir", default="bench_out")
     return p
@@ -175,10 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = LongT5Config.preset(args.model, args.attention, **parse_overrides(args.set))
-        nodes = max(1, 8 // args.gpus_per_node)
-        cluster = cost.Cluster(
-            nodes=nodes,
-            gpus_per_node=args.gpus_per_node,
+        target = targets.load(args.target)
+        if target.is_gpu and not targets.have_gpu_compiler():
+            raise ValueError(targets.GPU_EXTRA_MISSING)
+        if not target.is_gpu:  # the local devices stand for the cluster
+            args.nodes = max(1, 8 // args.gpus_per_node)
+        cluster = cost.Cluster.of(
+            target,
+            args.nodes,
+            args.gpus_per_node,
             peak_tflops=args.peak_tflops,
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
@@ -186,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.steps < 1 or min(args.batch_size, args.input_length, args.target_length) < 1:
             raise ValueError("--steps, --batch_size and the lengths must be >= 1")
+        target_devices = (
+            targets.devices(target, args.nodes, args.gpus_per_node) if target.is_gpu else None
+        )
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -205,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for name in args.strategies:
         try:
-            runs.append(_Run(name, config, batch, args))
+            runs.append(_Run(name, config, batch, args, target_devices))
         except ValueError as e:
             print(f"error: {name}: {e}", file=sys.stderr)
             return 2
@@ -218,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model} {config.attention}, batch {args.batch_size} x {args.input_length}/"
         f"{args.target_length}, {model_flops / 1e12:.4f} TFLOP/step; target {cluster.describe()}"
     )
-    _print_table(rows)
+    _print_table(rows, args.target)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {

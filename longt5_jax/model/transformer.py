@@ -69,8 +69,8 @@ def _pipelined(
     `call(chunk, h, rows, shared)` applies a chunk of layers to `h` with the layer's arguments
     rebuilt from this microbatch's `rows` and the `shared` inputs.
     """
-    c, num_layers = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
-    k = pipeline.check(num_layers, f"{type(parent).__name__} layers")
+    c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
+    k = pipeline.chunk_length(held, f"{type(parent).__name__} layers")
     chunk = _stack(layer, c, k, in_axes, deterministic, None, parent=None)
     rng = None if deterministic else parent.make_rng("dropout")
 
@@ -82,7 +82,7 @@ def _pipelined(
             lambda *args: chunk.apply({"params": params}, *args, rngs=rngs)[0], h, rows, shared
         )
 
-    return pp.run(pipeline, stage_fn, stack.variables["params"], x, EMBED, per_microbatch, shared)
+    return pp.run(pipeline, stage_fn, stack.variables["params"], x, per_microbatch, shared)
 
 
 class EncoderLayer(nn.Module):

@@ -1,8 +1,11 @@
-"""The device mesh: named axes data x tensor x pipeline, built from jax.devices() order."""
+"""The device mesh: named axes data x tensor x pipeline, laid over the devices node by node."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import warnings
 
 import jax
 import numpy as np
@@ -42,10 +45,10 @@ class MeshConfig:
                 f"MeshConfig.pipeline_repeats={self.pipeline_repeats}, pipeline_microbatches="
                 f"{self.pipeline_microbatches}: expected repeats >= 1 and microbatches >= 0"
             )
-        if 0 < self.pipeline_microbatches < self.pipeline:
+        if self.pipeline > 1 and self.pipeline_microbatches % self.pipeline:
             raise ValueError(
-                f"MeshConfig.pipeline_microbatches={self.pipeline_microbatches} is fewer than the "
-                f"{self.pipeline} pipeline stages: each stage needs a microbatch in flight"
+                f"MeshConfig.pipeline_microbatches={self.pipeline_microbatches} is not a multiple "
+                f"of the {self.pipeline} pipeline stages: each stage keeps an equal share of them"
             )
 
     def pipeline_plan(self) -> Pipeline | None:
@@ -68,11 +71,45 @@ class MeshConfig:
         return data, self.tensor, self.pipeline
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A mesh over `devices` (default all), data outermost so tensor groups are neighbours."""
-    devices = jax.devices() if devices is None else devices
-    shape = cfg.shape(len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
+def devices_per_node(devices: list) -> int:
+    """How many of `devices` share a node: a process's devices, times the processes SLURM puts
+    on each node (elsewhere a process is a node: one host, or one simulated on fake devices)."""
+    first = devices[0].process_index
+    per_process = sum(d.process_index == first for d in devices)
+    tasks = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    count = re.match(r"\d+", tasks)  # SLURM_TASKS_PER_NODE reads like '4(x8)'
+    return min(per_process * (int(count.group()) if count else 1), len(devices))
+
+
+def node_of(devices: list, per_node: int) -> list[int]:
+    """The node of each device: its process where processes hold whole nodes (compile-only GPUs,
+    one process per node), else consecutive runs of `per_node` devices in process order."""
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1 and len(devices) // len(processes) == per_node:
+        return [d.process_index for d in devices]
+    order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, devices[i].id))
+    nodes = [0] * len(devices)
+    for rank, i in enumerate(order):
+        nodes[i] = rank // per_node
+    return nodes
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None, per_node: int | None = None) -> Mesh:
+    """A mesh over `devices` (default all) placed by node: tensor innermost, inside a node (its
+    activation all-reduces are the heaviest traffic), then pipeline, data outermost."""
+    devices = list(jax.devices() if devices is None else devices)
+    data, tensor, pipeline = cfg.shape(len(devices))
+    per_node = per_node or devices_per_node(devices)
+    nodes = node_of(devices, per_node)
+    order = sorted(range(len(devices)), key=lambda i: (nodes[i], i))
+    grid = np.asarray([devices[i] for i in order], dtype=object).reshape(data, pipeline, tensor)
+    if tensor > 1 and per_node % tensor:
+        warnings.warn(
+            f"MeshConfig.tensor={tensor} does not divide the {per_node} devices of a node: "
+            "tensor groups cross nodes, and their all-reduces the slow links",
+            stacklevel=2,
+        )
+    return Mesh(grid.transpose(0, 2, 1), AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def check_fits(

@@ -1,29 +1,43 @@
-"""Pipeline parallelism (GPipe, and circular with repeats) over a stage function, under SPMD jit.
+"""Pipeline parallelism (GPipe, and circular with repeats) over a stage function, as SPMD code
+manual over the stage axis.
 
 A stack of L layers (parameters stacked on a leading axis) is cut into `repeats x stages` chunks
 of k = L / (repeats * stages) consecutive layers; chunk c = j * stages + s runs on stage s in
 its j-th repeat, so a microbatch visits stages 0..p-1 and then, if repeats > 1, comes round
-again. Every iteration all p stages run at once (one `vmap` over the stage axis, sharded over
-the mesh axis the logical name `stage` maps to); the activations then shift one stage on (a
-roll of a stage-sharded array: a collective-permute). A scan runs the m * r + p - 1 iterations,
-so the idle fraction is (p - 1) / (r * m + p - 1). Each iteration is rematerialised: only its
-stage inputs are kept for the backward pass, so activation memory does not grow with m.
+again. Each device along the stage axis is a stage holding its own chunks. The rows are split
+over the stages too: m microbatches of contiguous rows, m/p on each stage, kept in a buffer
+that turns by one slot every iteration (a ring shift of one microbatch). Stage 0 reads the slot
+in front; the last stage writes each finished microbatch back into that microbatch's own slot,
+from where a circular schedule reads it again on its next round. Every iteration all stages run
+at once; their outputs move one stage on (a collective-permute). A scan runs the r m + p - 1
+iterations, so the idle fraction is (p - 1) / (r m + p - 1). What a stage keeps for its
+backward pass is what its layers' remat policy keeps, as in a stack without a pipeline (a
+checkpoint around whole iterations as well would run the layers' forward, and its tensor-parallel
+all-reduces, a third time). So per iteration a device sends one
+microbatch to the next stage and one to the buffer's ring, and nothing else moves: no weights,
+no gathers. Per-microbatch inputs every stage reads (the encoder output, for the decoder) are
+gathered over the stages once per call.
 
-The layers stay stored in layer order (checkpoints do not depend on the pipeline); with
-repeats > 1 a stage's chunks are not contiguous in that order, and XLA moves them into place
-with an all-to-all over the stage axis each step (the weights of one stage, never all stages').
-Nothing here names a mesh: the stage axis comes from the logical axis rules in force.
+Inside a region already manual over the stage axis (the train step's, `parallel/region.py`)
+`run` is that code, on the stage's own rows and chunks; called under automatic sharding it opens
+the region itself, and with no mesh axis of that name (one device) it runs the same code as a
+vmap over stages with that axis name, so the collectives still mean what they say. The layers
+stay stored in layer order (checkpoints do not depend on the pipeline); with repeats > 1 a
+stage's chunks are not contiguous in that order, and they are put stage-major on the way in
+(`stage_major`, an all-to-all over the stage axis per step).
+Nothing here names a mesh: the stage axis is the plan's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 # stage_fn(chunk_params [k, ...], x [mb, ...], per_microbatch slice, shared, chunk, microbatch)
 StageFn = Callable[[Any, jax.Array, Any, Any, jax.Array, jax.Array], jax.Array]
@@ -34,15 +48,16 @@ class Pipeline:
     stages: int
     microbatches: int
     repeats: int = 1
+    axis: str = "pipeline"  # the mesh axis whose devices are the stages
 
     def __post_init__(self):
         for name in ("stages", "microbatches", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pipeline {name}={getattr(self, name)}: expected >= 1")
-        if self.microbatches < self.stages:
+        if self.microbatches % self.stages:
             raise ValueError(
-                f"pipeline microbatches={self.microbatches} < stages={self.stages}: every stage "
-                "needs a microbatch in flight (use microbatches >= stages)"
+                f"pipeline microbatches={self.microbatches} is not a multiple of stages="
+                f"{self.stages}: each stage keeps an equal share of the microbatches"
             )
 
     def check(self, num_layers: int, what: str) -> int:
@@ -55,6 +70,13 @@ class Pipeline:
             )
         return num_layers // chunks
 
+    def chunk_length(self, held_layers: int, what: str) -> int:
+        """Layers per chunk, given the stacked layers the caller holds: all of them under
+        automatic sharding, one stage's inside a region manual over the stage axis."""
+        if _manual(self.axis):
+            return held_layers // self.repeats
+        return self.check(held_layers, what)
+
     @property
     def iterations(self) -> int:
         return self.microbatches * self.repeats + self.stages - 1
@@ -65,22 +87,83 @@ class Pipeline:
         return (self.stages - 1) / self.iterations
 
 
-def _microbatched(x: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [m, B/m, ...], microbatch i = rows i, i + m, ...: each keeps its share of
-    every data shard, so the batch sharding moves to the microbatch-row axis without traffic."""
-    if x.shape[0] % m:
-        raise ValueError(f"batch {x.shape[0]} is not divisible by pipeline microbatches={m}")
-    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+def _manual(axis: str) -> bool:
+    return axis in jax.sharding.get_abstract_mesh().manual_axes
 
 
-def _unmicrobatched(x: jax.Array) -> jax.Array:
-    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+def stage_major(w: jax.Array, cfg: Pipeline) -> jax.Array:
+    """[L, ...] in layer order -> stage s's chunks (repeat 0, 1, ...) contiguous at s r k."""
+    r, p = cfg.repeats, cfg.stages
+    k = w.shape[0] // (r * p)
+    return w.reshape(r, p, k, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
 
 
-def _stage_axis() -> str | tuple[str, ...] | None:
-    """The mesh axis (or axes) the logical `stage` axis maps to under the rules in force."""
-    spec = nn.logical_to_mesh_axes(("stage",))
-    return spec[0] if spec else None
+def layer_major(w: jax.Array, cfg: Pipeline) -> jax.Array:
+    """The inverse of `stage_major`."""
+    r, p = cfg.repeats, cfg.stages
+    k = w.shape[0] // (r * p)
+    return w.reshape(p, r, k, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+
+
+def _shift(x: jax.Array, axis: str, p: int, by: int) -> jax.Array:
+    """Stage q's `x` to stage q + by (cyclic: a full permutation, as a named vmap needs)."""
+    return jax.lax.ppermute(x, axis, [(q, (q + by) % p) for q in range(p)])
+
+
+def _ring(buf: jax.Array, axis: str, p: int, step: int) -> jax.Array:
+    """The buffer split over the stages turned by one slot: step -1 brings the next slot to
+    the front (each stage passes its first to the previous), +1 the other way."""
+    if step < 0:
+        return jnp.concatenate([buf[1:], _shift(buf[0], axis, p, -1)[None]])
+    return jnp.concatenate([_shift(buf[-1], axis, p, 1)[None], buf[:-1]])
+
+
+def _stages(cfg: Pipeline, stage_fn: StageFn, chunks, x, micro, shared) -> jax.Array:
+    """One stage's part, manual over the stage axis: its chunks [r, k, ...], its rows' slots
+    x [m/p, mb, ...]; every microbatch's per-microbatch rows [m, mb, ...]. Returns its slots."""
+    p, m, r, axis = cfg.stages, cfg.microbatches, cfg.repeats, cfg.axis
+    s = jax.lax.axis_index(axis)
+    write = (m - p + 1) % m  # where the microbatch the last stage finishes sits in the ring
+    owner, slot = write // (m // p), write % (m // p)
+
+    def compute(h, t):
+        step = t - s
+        j = jnp.clip(step // m, 0, r - 1)
+        mb = step % m
+        params = jax.tree.map(lambda w: jax.lax.select_n(j, *w) if r > 1 else w[0], chunks)
+        rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, 0, False), micro)
+        return stage_fn(params, h, rows, shared, j * p + s, mb)
+
+    def iteration(carry, t):
+        h, buf = carry
+        out = compute(jnp.where(s == 0, buf[0], h), t)
+        last = out if owner == p - 1 else _shift(out, axis, p, owner - (p - 1))
+        finished = (s == owner) & (t >= p - 1)
+        buf = buf.at[slot].set(jnp.where(finished, last, buf[slot]))
+        h = _shift(out, axis, p, 1)  # stage 0 takes its input from the ring instead
+        return (h, _ring(buf, axis, p, -1)), None
+
+    (_, buf), _ = jax.lax.scan(iteration, (x[0] * 0, x), jnp.arange(cfg.iterations))
+    for _ in range((p - 1) % m):  # after r m + p - 1 turns, slot i sits p - 1 places back
+        buf = _ring(buf, axis, p, +1)
+    return buf
+
+
+def _local(cfg, stage_fn, layer_params, x, per_microbatch, shared):
+    """The stage's rows [B/p, ...] through the pipeline, on its own chunks."""
+    p, m, r = cfg.stages, cfg.microbatches, cfg.repeats
+    if x.shape[0] * p % m:
+        raise ValueError(f"batch {x.shape[0] * p} is not divisible by pipeline microbatches={m}")
+    mb = x.shape[0] * p // m
+    chunks = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]), layer_params)
+    slots = x.reshape(m // p, mb, *x.shape[1:])
+    # Every stage reads every microbatch's rows: gathered once, in microbatch order.
+    micro = jax.tree.map(
+        lambda a: jax.lax.all_gather(a, cfg.axis, tiled=True).reshape(m, mb, *a.shape[1:]),
+        per_microbatch,
+    )
+    out = _stages(cfg, stage_fn, chunks, slots, micro, shared)
+    return out.reshape(x.shape)
 
 
 def run(
@@ -88,61 +171,33 @@ def run(
     stage_fn: StageFn,
     layer_params: Any,
     x: jax.Array,
-    axes: tuple[str, ...],
     per_microbatch: Any,
     shared: Any,
 ) -> jax.Array:
-    """The stack's output for `x` [B, ...] (logical `axes`); `per_microbatch` leaves have a
-    leading B axis and follow their rows through the stages; `shared` goes to every stage."""
-    p, m, r = cfg.stages, cfg.microbatches, cfg.repeats
-    num_layers = jax.tree.leaves(layer_params)[0].shape[0]
-    k = cfg.check(num_layers, "layers")
-    # [L, ...] -> [r, p, k, ...]: chunk (j, s) holds layers (j * p + s) * k ... + k - 1.
-    chunks = jax.tree.map(lambda w: w.reshape(r, p, k, *w.shape[1:]), layer_params)
-    inputs = _microbatched(x, m)
-    # Every stage reads any microbatch's rows: whole over the stage axis, rows over `batch`.
-    micro = jax.tree.map(
-        lambda a: nn.with_logical_constraint(
-            _microbatched(a, m), (None, "batch") + (None,) * (a.ndim - 1)
-        ),
-        per_microbatch,
-    )
-    stage_ids = jnp.arange(p)
-    axis = _stage_axis()
-
-    def one_stage(stage_params, h, s, t):
-        """Stage s at iteration t: its chunk of repeat j on microbatch (t - s) mod m."""
-        step = t - s
-        j = jnp.clip(step // m, 0, r - 1)
-        mb = step % m
-        # A select among the r chunks, not a dynamic index: under the stage vmap an index that
-        # differs per stage is a gather, whose gradient scatter XLA's GPU compiler rejects
-        # (jaxlib 0.10.2: "repeated dimensions in scatter_dims_to_operand_dims").
-        params = jax.tree.map(lambda w: jax.lax.select_n(j, *w) if r > 1 else w[0], stage_params)
-        rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, 0, False), micro)
-        return stage_fn(params, h, rows, shared, j * p + s, mb)
-
-    stages = jax.vmap(one_stage, in_axes=(1, 0, 0, None), spmd_axis_name=axis)
-
-    # Only the iteration's stage inputs are saved; the stage recomputes in the backward pass.
-    @jax.checkpoint
-    def compute(state, t):
-        return stages(chunks, state, stage_ids, t)
-
-    def iteration(carry, t):
-        state, buffer = carry
-        state = nn.with_logical_constraint(state, ("stage", *axes))
-        # Stage 0 takes microbatch t mod m: fresh input, or a finished repeat coming round.
-        state = state.at[0].set(jax.lax.dynamic_index_in_dim(buffer, t % m, 0, False))
-        out = compute(state, t)
-        done = t - (p - 1)  # the step the last stage just finished
-        slot = jax.lax.dynamic_index_in_dim(buffer, done % m, 0, False)
-        buffer = jax.lax.dynamic_update_index_in_dim(
-            buffer, jnp.where(done >= 0, out[p - 1], slot), done % m, 0
+    """The stack's output for `x` [B, ...]; `per_microbatch` leaves have a leading B axis and
+    follow their rows through the stages; `shared` goes to every stage. Inside a region manual
+    over the stage axis, `x`, `per_microbatch` and `layer_params` are the stage's own."""
+    local = functools.partial(_local, cfg, stage_fn)
+    if _manual(cfg.axis):
+        return local(layer_params, x, per_microbatch, shared)
+    params = jax.tree.map(lambda w: stage_major(w, cfg), layer_params)
+    mesh = jax.sharding.get_abstract_mesh()
+    if cfg.axis not in mesh.axis_names:  # no such devices (one device, tests): a named vmap
+        p = cfg.stages
+        split = functools.partial(
+            jax.tree.map, lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:])
         )
-        buffer = nn.with_logical_constraint(buffer, (None, *axes))
-        return (jnp.roll(out, 1, axis=0), buffer), None
-
-    state = jnp.zeros((p, *inputs.shape[1:]), inputs.dtype)
-    (_, buffer), _ = jax.lax.scan(iteration, (state, inputs), jnp.arange(cfg.iterations))
-    return _unmicrobatched(buffer)
+        out = jax.vmap(local, in_axes=(0, 0, 0, None), axis_name=cfg.axis)(
+            split(params), split(x), split(per_microbatch), shared
+        )
+        return out.reshape(x.shape)
+    split = PartitionSpec(cfg.axis)
+    region = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(split, split, split, PartitionSpec()),
+        out_specs=split,
+        axis_names={cfg.axis},
+        check_vma=True,
+    )
+    return region(params, x, per_microbatch, shared)

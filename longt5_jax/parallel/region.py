@@ -74,8 +74,9 @@ class ShardRegion:
     def _param_specs(self) -> Any:
         return jax.tree.map(lambda s: _only(s.spec, (PIPELINE,)), self.param_shardings)
 
-    def _grad_specs(self) -> Any:
-        return jax.tree.map(lambda s: _only(s.spec, self.manual), self.grad_shardings)
+    def _enter_shardings(self, shardings: Any) -> Any:
+        """Shardings as the region holds the tree (layer shardings hold stage-major too)."""
+        return shardings
 
     def _enter(self, params: Any) -> Any:
         """Parameters laid out for the region: stacked pipeline layers stage-major."""
@@ -126,18 +127,11 @@ class ShardRegion:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
         return rng
 
-    def _reduce(self, g: jax.Array, spec: PartitionSpec, want: PartitionSpec) -> jax.Array:
-        """Sum a gradient over the shards: over `pipeline` where it is not split (the stages'
-        layers are), over `data` into its ZeRO layout."""
-        if self.pipeline and _axis_of(spec, PIPELINE) is None:
-            g = jax.lax.psum(g, PIPELINE)
-        dtype, g = g.dtype, g.astype(self.reduce_dtype)
-        dim = _axis_of(want, DATA)
-        if dim is None:
-            g = jax.lax.psum(g, DATA)
-        else:
-            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
-        return g.astype(dtype)
+    def _stack_spec(self, spec: PartitionSpec) -> PartitionSpec:
+        """The spec of a gradient's per-shard partial sums, stacked on a new leading axis over
+        the shards that must add them: `data`, and `pipeline` unless the stages split it."""
+        over = self.manual if _axis_of(spec, PIPELINE) is None else (DATA,)
+        return PartitionSpec(over if len(over) > 1 else over[0], *spec)
 
     def grads(
         self,
@@ -147,25 +141,40 @@ class ShardRegion:
         rng: jax.Array | None,
     ) -> tuple[dict, Any]:
         """fn(params, local rows, rng) -> (summed statistics, summed gradients) of one shard;
-        returns their sums over the mesh, gradients in the grad layout."""
-        param_specs, grad_specs = self._param_specs(), self._grad_specs()
+        returns their sums over the mesh, gradients in the grad layout.
+
+        The gradients leave the region unreduced, each shard's partial sum stacked on a new
+        leading axis, and are summed over it outside, where XLA sees every axis: it reduces
+        them straight into the grad layout (all-reduce, or reduce-scatter over `data`) without
+        regathering their tensor split, as a reduction inside a region manual over `data` only
+        would have to.
+        """
+        param_specs = self._param_specs()
+        stack_specs = jax.tree.map(self._stack_spec, param_specs)
 
         def local(params, batch, rng):
             stats, grads = fn(self._vary(params, param_specs), batch, self._rng(rng))
             stats = jax.tree.map(lambda s: jax.lax.psum(s, self.manual), stats)
-            grads = jax.tree.map(self._reduce, grads, param_specs, grad_specs)
-            return stats, grads
+            return stats, jax.tree.map(lambda g: g.astype(self.reduce_dtype)[None], grads)
 
         region = jax.shard_map(
             local,
             mesh=self.mesh,
             in_specs=(param_specs, self._batch_spec(), PartitionSpec()),
-            out_specs=(PartitionSpec(), grad_specs),
+            out_specs=(PartitionSpec(), stack_specs),
             axis_names=set(self.manual),
             check_vma=True,
         )
         with nn.logical_axis_rules(self._inner_rules(nn.get_logical_axis_rules())):
-            stats, grads = region(self._enter(params), batch, rng)
+            stats, partial = region(self._enter(params), batch, rng)
+        grads = jax.tree.map(
+            lambda g, want: jax.lax.with_sharding_constraint(
+                jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,)).astype(jnp.float32),
+                want,
+            ),
+            partial,
+            self._enter_shardings(self.grad_shardings),
+        )
         return stats, self._exit(grads)
 
     def stats(self, fn: Callable[[Any, Any], dict], params: Any, batch: Any) -> dict:

@@ -14,20 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
-
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from longt5_jax import flops
-from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.mesh import MeshConfig
-from longt5_jax.parallel.rules import rules
-from longt5_jax.plan import cost, memory_model
-from longt5_jax.plan.hlo import ring_bytes, zero_volumes
+from longt5_jax.plan import comm_model, cost, memory_model
+from longt5_jax.plan.shapes import ModelShapes
+from longt5_jax.step import StepConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +44,10 @@ class Candidate:
             pipeline_microbatches=self.microbatches,
             pipeline_repeats=self.repeats,
         )
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "tensor": self.tensor, "pipeline": self.pipeline}
 
     def label(self) -> str:
         pipe = f" m{self.microbatches} r{self.repeats}" if self.pipeline > 1 else ""
@@ -107,54 +105,6 @@ def enumerate_candidates(
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShapes:
-    """What the estimates need of a model: its parameters' shapes and logical axes."""
-
-    config: LongT5Config
-    leaves: tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]
-    opt_bytes_per_param_byte: float  # optimizer state bytes / parameter bytes
-
-    @classmethod
-    def of(cls, config: LongT5Config, optimizer: Any) -> ModelShapes:
-        ids = jnp.ones((1, 1), jnp.int32)
-        boxed = jax.eval_shape(
-            lambda k: LongT5(config).init(k, ids, None, ids)["params"], jax.random.key(0)
-        )
-        specs = jax.tree.leaves(
-            nn.get_partition_spec(boxed),
-            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-        )
-        params = nn.unbox(boxed)
-        leaves = tuple(
-            (tuple(x.shape), tuple(s) + (None,) * (len(x.shape) - len(s)))
-            for x, s in zip(jax.tree.leaves(params), specs, strict=True)
-        )
-        opt = jax.eval_shape(optimizer.init, params)
-        opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt))
-        param_bytes = sum(4 * int(np.prod(s)) for s, _ in leaves)
-        return cls(config, leaves, opt_bytes / param_bytes)
-
-    def sharded_bytes(self, c: Candidate, use: str, itemsize: int = 4) -> float:
-        """Per-device bytes of a parameter-shaped tree under the rule table for `use`."""
-        sizes = {"data": c.data, "tensor": c.tensor, "pipeline": c.pipeline, None: 1}
-        table = dict(rules(use, c.zero_stage, pipelined=c.pipeline > 1))
-        total = 0.0
-        for shape, axes in self.leaves:
-            used, split = set(), 1
-            for dim, axis in zip(shape, axes, strict=True):
-                mesh_axis = table.get(axis)
-                if mesh_axis and mesh_axis not in used and dim % sizes[mesh_axis] == 0:
-                    used.add(mesh_axis)
-                    split *= sizes[mesh_axis]
-            total += itemsize * int(np.prod(shape)) / split
-        return total
-
-    def zero_split_bytes(self) -> float:
-        """Bytes of the parameters ZeRO splits (those with an `embed` axis)."""
-        return sum(4 * int(np.prod(s)) for s, axes in self.leaves if "embed" in axes)
-
-
 def activations(c: Candidate, config: LongT5Config, lengths: tuple[int, int]):
     """The candidate's activation terms (`memory_model.activations`)."""
     return memory_model.activations(
@@ -171,9 +121,13 @@ def activations(c: Candidate, config: LongT5Config, lengths: tuple[int, int]):
 
 def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
     """Parameters, optimizer state and gradients per device, from the rule table."""
-    params = shapes.sharded_bytes(c, "params")
-    opt = shapes.sharded_bytes(c, "opt_state") * shapes.opt_bytes_per_param_byte
-    return params + opt + shapes.sharded_bytes(c, "grads")
+    sizes, zero = c.sizes, c.zero_stage
+    params = shapes.sharded_bytes(sizes, "params", zero)
+    opt = shapes.sharded_bytes(sizes, "opt_state", zero) * shapes.opt_bytes_per_param_byte
+    grads = shapes.sharded_bytes(sizes, "grads", zero)
+    if c.pipeline > 1:  # the step's region: whole gradients per shard, and their partial sums
+        grads = 2 * shapes.sharded_bytes(sizes, "grads", 0)
+    return params + opt + grads
 
 
 def memory_estimate(c: Candidate, shapes: ModelShapes, lengths: tuple[int, int]) -> float:
@@ -184,33 +138,25 @@ def memory_estimate(c: Candidate, shapes: ModelShapes, lengths: tuple[int, int])
 def comm_estimate(
     c: Candidate, shapes: ModelShapes, lengths: tuple[int, int], cluster: cost.Cluster
 ) -> float:
-    """Analytic communication seconds: ZeRO/data-parallel volumes, Megatron's activation
-    all-reduces (2 per encoder layer and 3 per decoder layer, forward and backward), and the
-    pipeline's stage-to-stage shifts."""
-    cfg, (length, target) = shapes.config, lengths
-    per_tp = shapes.sharded_bytes(dataclasses.replace(c, zero_stage=0, data=1), "params")
-    split = shapes.zero_split_bytes() / (c.tensor * c.pipeline)
-    dp = sum(zero_volumes(c.zero_stage, per_tp, split, c.data, cpu=False).values())
-    spans_nodes = c.data > 1 and cluster.devices > cluster.gpus_per_node
-    seconds = dp / ((cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps) * 1e9)
-    rows, b = c.batch_size / c.data, cfg.compute_dtype.itemsize
-    passes = 3 if c.remat == "full" or c.pipeline > 1 else 2  # a recomputed forward repeats them
-    tokens = cfg.num_encoder_layers / c.pipeline * 2 * length
-    tokens += cfg.num_decoder_layers / c.pipeline * 3 * target
-    tp = passes * ring_bytes("all-reduce", rows * tokens * cfg.d_model * b, c.tensor)
-    seconds += tp / (cluster.intra_node_gbps * 1e9)
-    if c.pipeline > 1:
-        iterations = c.microbatches * c.repeats + c.pipeline - 1
-        shift = iterations * rows / c.microbatches * (length + target) * cfg.d_model * b * 2
-        seconds += shift / (cluster.inter_node_gbps * 1e9)
+    """Communication seconds by the analytic model (`comm_model.py`), each mesh axis at the
+    bandwidth of the links its groups cross when the mesh is laid out by node (tensor
+    innermost, then pipeline, then data)."""
+    layout = comm_model.Layout.of(c.mesh(), cluster.devices, StepConfig(), (c.batch_size, *lengths))
+    # A group along an axis spans as many devices as that axis and the ones inside it.
+    span = {"tensor": c.tensor, "pipeline": c.tensor * c.pipeline, "data": cluster.devices}
+    seconds = 0.0
+    for axes in comm_model.volumes(shapes, layout).values():
+        for axis, moved in axes.items():
+            reach = max(span[a] for a in axis.split("+"))
+            crosses = reach > cluster.gpus_per_node or cluster.gpus_per_node % reach
+            gbps = cluster.inter_node_gbps if crosses else cluster.intra_node_gbps
+            seconds += moved / (gbps * 1e9)
     return seconds
 
 
 def executed_flops(c: Candidate, config: LongT5Config, lengths: tuple[int, int]) -> float:
-    """FLOPs a step of `c` executes; a pipeline rematerialises every iteration whatever the
-    layers' own policy."""
-    remat = "full" if c.pipeline > 1 else c.remat
-    return flops.executed_flops_per_step(config, c.batch_size, *lengths, remat)
+    """FLOPs a step of `c` executes (model FLOPs plus what the remat policy recomputes)."""
+    return flops.executed_flops_per_step(config, c.batch_size, *lengths, c.remat)
 
 
 @dataclasses.dataclass

@@ -22,9 +22,8 @@ import optax
 
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import MeshConfig, make_mesh, node_of
 from longt5_jax.plan import cost, hlo, roofline
-from longt5_jax.plan.targets import node_of
 from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState
 
 
@@ -60,14 +59,16 @@ def sharded_step(
     step_cfg: StepConfig | None = None,
     optimizer: optax.GradientTransformation | None = None,
     devices: list | None = None,
+    per_node: int | None = None,
 ) -> ShardedStep:
-    """The train step of `config` laid out per `plan` (AdamW unless told otherwise)."""
+    """The train step of `config` laid out per `plan` (AdamW unless told otherwise), on
+    `devices` in nodes of `per_node` (default: as the devices say)."""
     model = LongT5(config, pipeline=plan.pipeline_plan())
     return ShardedStep(
         model,
         step_cfg or StepConfig(),
         optimizer or optax.adamw(1e-3),
-        make_mesh(plan, devices),
+        make_mesh(plan, devices, per_node),
         plan,
     )
 
@@ -155,5 +156,5 @@ def compile_for(
     optimizer: optax.GradientTransformation | None = None,
 ) -> CompiledStep:
     """Compile the step of `config` on `plan` over `devices` for (batch, input, target) shapes."""
-    step = sharded_step(config, plan, step_cfg, optimizer, devices)
+    step = sharded_step(config, plan, step_cfg, optimizer, devices, gpus_per_node)
     return CompiledStep(step, compile_step(step, *shape), gpus_per_node)

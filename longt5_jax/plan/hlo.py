@@ -332,8 +332,8 @@ def _operand_bytes(comp: Computation, instr: Instr) -> int | None:
 def _payload(kind: str, comp: Computation, instr: Instr, size: int) -> int:
     """The full buffer S: from the operands' types, else the largest array of the result."""
     operands = _operand_bytes(comp, instr)
-    if kind == "collective-permute" and operands is not None:
-        operands = shape_bytes(comp.types[instr.operands[0]])  # the buffer, not the contexts
+    if kind == "collective-permute" and operands is not None and "slice_sizes=" in instr.attrs:
+        operands = shape_bytes(comp.types[instr.operands[0]])  # in place: the input alone
     if operands is not None:
         return operands * size if kind == "all-gather" else operands
     if instr.type.startswith("("):  # an async start's (operands, results): the full buffer

@@ -5,7 +5,8 @@
 
 The stash is what the backward pass needs kept from the forward: every layer's activations
 without remat, the layer inputs and the matmul outputs under `save_dots`, the layer inputs alone
-under `full` remat; a pipeline keeps each iteration's stage inputs and one stage's layer inputs.
+under `full` remat. A pipeline stage keeps that for its layers over every row, bubble
+iterations included, beside its slots of the rows' ring and the encoder output it reads.
 Scores are the attention score elements of the largest layer (local and side keys per encoder
 query, self and cross keys per decoder query), which the backward pass of that layer holds at
 once in float32 (scores, probabilities and their gradients: `b` bytes each). Logits are float32,
@@ -29,7 +30,6 @@ CALIBRATION = {
     "none": (1.05, 0.0),
     "save_dots": (0.60, 13.6),
     "full": (1.34, 11.0),
-    "pipeline": (2.04, 0.55),
 }
 
 
@@ -40,7 +40,7 @@ class Activations:
     stash: float
     scores: float  # score elements (not bytes) of the largest layer
     logits: float
-    policy: str  # the CALIBRATION row: the remat policy, or 'pipeline'
+    policy: str  # the CALIBRATION row: the remat policy
 
     def bytes(self, calibration: dict[str, tuple[float, float]] = CALIBRATION) -> float:
         a, b = calibration[self.policy]
@@ -68,23 +68,27 @@ def activations(
     dec_scores = heads * (target + length) * target
     enc_layers = config.num_encoder_layers / pipeline
     dec_layers = config.num_decoder_layers / pipeline
-    logits = rows * target * config.vocab_size / t * 12
+    logits = rows / pipeline * target * config.vocab_size / t * 12  # a pipeline splits the head
     inputs = b * d * (enc_layers * length + dec_layers * target)  # every layer's input, per row
     if pipeline > 1:
         micro = rows / microbatches
-        iterations = microbatches * repeats + pipeline - 1
-        stash = iterations * micro * b * d * (length + target) * 2 + micro * inputs / repeats
-        return Activations(stash, micro * max(enc_scores, dec_scores), logits, "pipeline")
+        # The stage's slots of the rows' ring, and the encoder output every stage reads.
+        buffers = b * d * (rows / pipeline * (length + target) + rows * length)
+        # Every stage runs all rows through its layers, bubble iterations too.
+        rows *= (microbatches * repeats + pipeline - 1) / (microbatches * repeats)
+    else:
+        micro, buffers = rows, 0.0
     if remat == "full":
-        return Activations(rows * inputs, rows * max(enc_scores, dec_scores), logits, "full")
+        scores = micro * max(enc_scores, dec_scores)
+        return Activations(rows * inputs + buffers, scores, logits, "full")
     # Per token of one layer: every activation (none), or the matmul outputs (save_dots).
     enc = b * (10 * d + 4 * hk / t + 4 * f / t) + (8 + b) * heads * (3 * config.block_len + g)
     dec = b * (14 * d + 8 * hk / t + 4 * f / t) + (8 + b) * heads * (target + length)
     if remat == "save_dots":
         enc, dec = b * (4 * d + 3 * hk / t + 2 * f / t), b * (6 * d + 6 * hk / t + 2 * f / t)
     stash = inputs + enc_layers * enc * length + dec_layers * (dec * target + cross_kv)
-    scores = 0.0 if remat == "none" else max(enc_scores, dec_scores)
-    return Activations(rows * stash, rows * scores, logits, remat)
+    scores = 0.0 if remat == "none" else micro * max(enc_scores, dec_scores)
+    return Activations(rows * stash + buffers, scores, logits, remat)
 
 
 def fit(samples: list[tuple[Activations, float]]) -> dict[str, tuple[float, float]]:

@@ -174,12 +174,13 @@ def _ranked(args: argparse.Namespace, config: LongT5Config, cluster: Cluster) ->
     """Analytic estimates of every candidate near fitting, best first."""
     from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.plan import candidates as cands
+    from longt5_jax.plan.shapes import ModelShapes
 
     lengths = (args.input_length, args.target_length)
     found = cands.enumerate_candidates(
         config, cluster.devices, cluster.gpus_per_node, args.batch_sizes
     )
-    shapes = cands.ModelShapes.of(config, make_optimizer(OptimizerConfig(name=args.optimizer)))
+    shapes = ModelShapes.of(config, make_optimizer(OptimizerConfig(name=args.optimizer)))
     limit = cluster.memory_gib * 2**30
     estimates = [cands.estimate(c, shapes, lengths, cluster) for c in found]
     kept = [e for e in estimates if e.memory <= 1.5 * limit]

@@ -131,17 +131,3 @@ def devices(target: Target, nodes: int, gpus_per_node: int) -> list:
         platform="cuda", target_config=target.spec, topology=f"{nodes}x1x{gpus_per_node}"
     )
     return list(topology.devices)
-
-
-def node_of(devices: list, gpus_per_node: int) -> list[int]:
-    """The node of each device: its process where processes hold whole nodes (compile-only GPUs,
-    one process per node), else consecutive runs of `gpus_per_node` devices in process order."""
-    processes = sorted({d.process_index for d in devices})
-    per_process = len(devices) // len(processes)
-    if len(processes) > 1 and per_process == gpus_per_node:
-        return [d.process_index for d in devices]
-    order = sorted(range(len(devices)), key=lambda i: (devices[i].process_index, devices[i].id))
-    nodes = [0] * len(devices)
-    for rank, i in enumerate(order):
-        nodes[i] = rank // gpus_per_node
-    return nodes
