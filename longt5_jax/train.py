@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             model.vocab_size,
             cfg["data"].batch_size,
             (model.num_encoder_layers, model.num_decoder_layers),
+            cfg["step"].microbatches,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

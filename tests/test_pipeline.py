@@ -181,6 +181,10 @@ def test_pipeline_settings_that_cannot_work_are_one_line_errors(capsys):
         check_fits(plan, 8, 4, 64, 256, 32, (4, 8))
     with pytest.raises(ValueError, match=r"batch_size=8 is not divisible by pipeline .* \(8 x 2\)"):
         check_fits(MeshConfig(data=2, pipeline=4), 8, 4, 64, 256, 8, (4, 4))
+    # Accumulation microbatches are strided row sets that each split over data.
+    with pytest.raises(ValueError, match=r"data axis \(8\) x StepConfig.microbatches \(4\)"):
+        check_fits(MeshConfig(), 8, 4, 64, 256, 16, accumulation=4)
+    check_fits(MeshConfig(), 8, 4, 64, 256, 32, accumulation=4)
     assert MeshConfig(pipeline=2).pipeline_plan() == Pipeline(2, 4, 1)
     assert MeshConfig().pipeline_plan() is None
     # The demo's 2-layer stacks cannot be cut into 4 stages: the run says so and stops.

@@ -10,7 +10,7 @@ import pytest
 
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import node_of
-from longt5_jax.plan import candidates, targets
+from longt5_jax.plan import candidates, memory_model, targets
 from longt5_jax.plan import planner as plan
 
 GPU = pytest.mark.skipif(
@@ -126,3 +126,23 @@ def test_gpu_specs_ship_with_the_package():
         "h100-80gb.txtpb",
     ]
     assert (targets.SPECS.parent / pattern.split("/")[0]) == targets.SPECS
+
+
+def test_the_memory_fit_minimises_the_worst_relative_error():
+    """Samples made from known coefficients give them back; with one sample compiled 10% above
+    them, the fit splits the difference between the two samples' errors."""
+
+    def act(stash, scores, policy="full", logits=1.0):
+        return memory_model.Activations(stash, scores, logits, policy)
+
+    truth = (1.3, 12.0)
+    acts = [act(10.0, 0.5), act(40.0, 0.1), act(5.0, 3.0), act(2.0, 0.0, "none")]
+    samples = [(a, 4.0, 4.0 + a.bytes({"full": truth, "none": (0.7, 0.0)})) for a in acts]
+    fitted = memory_model.fit(samples)
+    assert fitted["full"] == pytest.approx(truth, rel=1e-6)
+    assert fitted["none"] == pytest.approx((0.7, 0.0), abs=1e-6)
+    # Stash alone, a = 2 exact for the first and 10% low for the second: errors a/2 - 1 and
+    # 1 - a/2.2 are equal at a = 2 / (1/2 + 1/2.2) = 2.0952..., a worst error of 1/21.
+    one = [(act(10.0, 0.0, logits=0.0), 0.0, 20.0), (act(20.0, 0.0, logits=0.0), 0.0, 44.0)]
+    ((a, b),) = memory_model.fit(one).values()
+    assert a == pytest.approx(2 / (1 / 2 + 1 / 2.2), rel=1e-6) and b == pytest.approx(0, abs=1e-6)

@@ -120,9 +120,12 @@ def check_fits(
     vocab_size: int,
     batch_size: int,
     num_layers: tuple[int, int] = (0, 0),
+    accumulation: int = 1,
 ) -> None:
-    """One-line errors for a mesh that does not divide the devices, the model or the batch."""
+    """One-line errors for a mesh that does not divide the devices, the model or the batch
+    (of which each of `accumulation` microbatches splits over data, and pipeline microbatches)."""
     data, tensor, _ = cfg.shape(num_devices)
+    per = f" x StepConfig.microbatches ({accumulation})" if accumulation > 1 else ""
     for name, size in (
         ("LongT5Config.num_heads", num_heads),
         ("LongT5Config.d_ff", d_ff),
@@ -130,17 +133,17 @@ def check_fits(
     ):
         if size % tensor:
             raise ValueError(f"{name}={size} is not divisible by the tensor axis ({tensor})")
-    if batch_size % data:
+    if batch_size % (data * accumulation):
         raise ValueError(
-            f"DataConfig.batch_size={batch_size} is not divisible by the data axis ({data})"
+            f"DataConfig.batch_size={batch_size} is not divisible by the data axis ({data}){per}"
         )
     plan = cfg.pipeline_plan()
     if plan is None:
         return
     for name, layers in zip(("num_encoder_layers", "num_decoder_layers"), num_layers, strict=True):
         plan.check(layers, f"LongT5Config.{name}")
-    if batch_size % (plan.microbatches * data):
+    if batch_size % (plan.microbatches * data * accumulation):
         raise ValueError(
             f"DataConfig.batch_size={batch_size} is not divisible by pipeline microbatches x "
-            f"data ({plan.microbatches} x {data}): each microbatch splits over the data axis"
+            f"data ({plan.microbatches} x {data}){per}: each microbatch splits over the data axis"
         )

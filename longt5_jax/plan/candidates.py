@@ -127,6 +127,12 @@ def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
     grads = shapes.sharded_bytes(sizes, "grads", zero)
     if c.pipeline > 1:  # the step's region: whole gradients per shard, and their partial sums
         grads = 2 * shapes.sharded_bytes(sizes, "grads", 0)
+    if c.repeats > 1:
+        # A circular schedule selects one of the stage's r chunks every iteration, and the
+        # backward pass keeps each iteration's selection (the layers' remat saves its inputs):
+        # m r chunks, float32, beside the state (measured on the GPU compile; see README).
+        stage = shapes.sharded_bytes(sizes, "params", 0, stacked_only=True)
+        grads += c.microbatches * stage
     return params + opt + grads
 
 

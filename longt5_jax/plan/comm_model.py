@@ -1,7 +1,7 @@
 """The analytic communication of a train step: bytes per device per step, by kind and mesh axis.
 
 Every term is a ring collective over a buffer the step must move (`hlo.ring_bytes`); the
-compiled GPU program is checked against it (`tests/test_comm_model.py`).
+compiled GPU program is checked against it (`tests/test_gpu_compile.py`, `bench cluster`).
 
 data (size d), once per step:
     gradients: all-reduce, or reduce-scatter where ZeRO-2/3 split them, over d; float32, or

@@ -12,11 +12,12 @@ query, self and cross keys per decoder query), which the backward pass of that l
 once in float32 (scores, probabilities and their gradients: `b` bytes each). Logits are float32,
 their gradient beside them.
 
-The coefficients (a, b) per remat policy are fitted, with non-negative least squares on relative
-error, to the memory XLA's GPU compiler assigns for the 8 x 4 A100-80GB cluster across base,
-large and xl at 4k-16k inputs, every ZeRO stage and data / tensor / pipeline layouts:
-`python -m longt5_jax.bench memory --fit` compiles that grid and prints them. The structure is
-the model's; only these two numbers per policy come from the fit.
+The coefficients (a, b) per remat policy (a pipeline's rows apart: its stages keep their stash
+in a loop over iterations, not in the layer scan) are the non-negative pair with the smallest
+worst relative error of the whole memory against what XLA's GPU compiler assigns for the
+8 x 4 A100-80GB cluster across base, large and xl at 4k-16k inputs, every ZeRO stage and
+data / tensor / pipeline layouts: `python -m longt5_jax.bench memory --fit` compiles that grid
+and prints them. The structure is the model's; only these two numbers per row come from the fit.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from longt5_jax.model import LongT5Config
 # (stash scale a, bytes per score element b), from `bench memory --fit` (see the docstring).
 CALIBRATION = {
     "none": (1.05, 0.0),
-    "save_dots": (0.60, 13.6),
-    "full": (1.34, 11.0),
+    "save_dots": (0.555, 16.4),
+    "full": (1.11, 10.9),
+    "pipelined full": (0.91, 10.3),
 }
 
 
@@ -40,10 +42,11 @@ class Activations:
     stash: float
     scores: float  # score elements (not bytes) of the largest layer
     logits: float
-    policy: str  # the CALIBRATION row: the remat policy
+    policy: str  # the CALIBRATION row: the remat policy, "pipelined <policy>" for a pipeline
 
     def bytes(self, calibration: dict[str, tuple[float, float]] = CALIBRATION) -> float:
-        a, b = calibration[self.policy]
+        # A pipelined policy not in the grid takes the plain policy's row.
+        a, b = calibration.get(self.policy) or calibration[self.policy.split()[-1]]
         return a * self.stash + b * self.scores + self.logits
 
 
@@ -70,6 +73,7 @@ def activations(
     dec_layers = config.num_decoder_layers / pipeline
     logits = rows / pipeline * target * config.vocab_size / t * 12  # a pipeline splits the head
     inputs = b * d * (enc_layers * length + dec_layers * target)  # every layer's input, per row
+    policy = f"pipelined {remat}" if pipeline > 1 else remat
     if pipeline > 1:
         micro = rows / microbatches
         # The stage's slots of the rows' ring, and the encoder output every stage reads.
@@ -80,7 +84,7 @@ def activations(
         micro, buffers = rows, 0.0
     if remat == "full":
         scores = micro * max(enc_scores, dec_scores)
-        return Activations(rows * inputs + buffers, scores, logits, "full")
+        return Activations(rows * inputs + buffers, scores, logits, policy)
     # Per token of one layer: every activation (none), or the matmul outputs (save_dots).
     enc = b * (10 * d + 4 * hk / t + 4 * f / t) + (8 + b) * heads * (3 * config.block_len + g)
     dec = b * (14 * d + 8 * hk / t + 4 * f / t) + (8 + b) * heads * (target + length)
@@ -88,38 +92,47 @@ def activations(
         enc, dec = b * (4 * d + 3 * hk / t + 2 * f / t), b * (6 * d + 6 * hk / t + 2 * f / t)
     stash = inputs + enc_layers * enc * length + dec_layers * (dec * target + cross_kv)
     scores = 0.0 if remat == "none" else micro * max(enc_scores, dec_scores)
-    return Activations(rows * stash + buffers, scores, logits, remat)
+    return Activations(rows * stash + buffers, scores, logits, policy)
 
 
-def fit(samples: list[tuple[Activations, float]]) -> dict[str, tuple[float, float]]:
-    """Coefficients per policy from (activations, compiled activation bytes) pairs: least
-    squares on relative error with both coefficients kept >= 0."""
+def fit(samples: list[tuple[Activations, float, float]]) -> dict[str, tuple[float, float]]:
+    """Coefficients per policy from (activations, static bytes, compiled bytes) samples: those
+    (a, b >= 0) whose worst relative error on the whole memory is smallest."""
     out = {}
-    for policy in sorted({a.policy for a, _ in samples}):
+    for policy in sorted({a.policy for a, _, _ in samples}):
+        # error_i(a, b) = (a x_i + b y_i + c_i) / compiled_i - 1, affine in (a, b)
         rows = [
-            (a.stash / y, a.scores / y, 1 - a.logits / y) for a, y in samples if a.policy == policy
+            (act.stash / total, act.scores / total, (static + act.logits) / total - 1)
+            for act, static, total in samples
+            if act.policy == policy
         ]
-        out[policy] = _nonnegative_lstsq(rows)
+        out[policy] = _minimax(rows)
     return out
 
 
-def _nonnegative_lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """argmin over a, b >= 0 of sum (a x + b y - z)^2 for rows (x, y, z)."""
-    sxx = sum(x * x for x, _, _ in rows)
-    syy = sum(y * y for _, y, _ in rows)
-    sxy = sum(x * y for x, y, _ in rows)
-    sxz = sum(x * z for x, _, z in rows)
-    syz = sum(y * z for _, y, z in rows)
-    det = sxx * syy - sxy * sxy
-    if det > 0:
-        a, b = (sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    # The best with one coefficient at zero.
-    only_a = (max(sxz / sxx, 0.0), 0.0) if sxx else (0.0, 0.0)
-    only_b = (0.0, max(syz / syy, 0.0)) if syy else (0.0, 0.0)
+def _minimax(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """argmin over a, b >= 0 of max |a x + b y + c|: the worst error is convex in (a, b), and so
+    is its minimum over b as a function of a, hence a nested ternary search."""
 
-    def loss(ab):
-        return sum((ab[0] * x + ab[1] * y - z) ** 2 for x, y, z in rows)
+    def worst(a: float, b: float) -> float:
+        return max(abs(a * x + b * y + c) for x, y, c in rows)
 
-    return min(only_a, only_b, key=loss)
+    def best_b(a: float) -> float:
+        return _ternary(lambda b: worst(a, b), _upper(rows, lambda r: r[1]))
+
+    a = _ternary(lambda a: worst(a, best_b(a)), _upper(rows, lambda r: r[0]))
+    return a, best_b(a)
+
+
+def _upper(rows, coordinate) -> float:
+    """The search's upper end: beyond it some row's error exceeds 1, worse than a = b = 0 (whose
+    worst is at most 1), since the other coefficient only adds."""
+    return min(((1 - r[2]) / coordinate(r) for r in rows if coordinate(r) > 0), default=0.0)
+
+
+def _ternary(f, hi: float, steps: int = 100) -> float:
+    lo = 0.0
+    for _ in range(steps):
+        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, m2) if f(m1) <= f(m2) else (m1, hi)
+    return (lo + hi) / 2

@@ -80,11 +80,18 @@ class ModelShapes:
         return split
 
     def sharded_bytes(
-        self, sizes: dict[str, int], use: str, zero_stage: int, itemsize: int = 4
+        self,
+        sizes: dict[str, int],
+        use: str,
+        zero_stage: int,
+        itemsize: int = 4,
+        stacked_only: bool = False,
     ) -> float:
-        """Per-device bytes of a parameter-shaped tree under the rule table for `use`."""
+        """Per-device bytes of a parameter-shaped tree (or of its stacked layers) under the rule
+        table for `use`."""
         pipelined = sizes.get("pipeline", 1) > 1
         return sum(
             itemsize * leaf.size / self.split(leaf, sizes, use, zero_stage, pipelined)
             for leaf in self.leaves
+            if leaf.stacked or not stacked_only
         )
