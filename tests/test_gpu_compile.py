@@ -189,3 +189,34 @@ def test_a_pipeline_moves_little_more_than_without(a100):
         op for op in piped.collectives if op.in_loop and "data" in piped.placement.axes(op)
     ]
     assert not data_in_loops
+
+
+@pytest.mark.slow
+def test_bench_cluster_writes_the_table_json_and_plot(tmp_path, capsys):
+    """Table 1's three strategies for the tiny model on the A100 cluster: every row compiled,
+    its bytes within 15% of the analytic model, its bounds ordered (no overlap <= as scheduled
+    <= full overlap <= the ceiling), the paper's figures beside it."""
+    from longt5_jax.bench import cluster
+
+    argv = ["--rows", "tiny:512", "--batch_size", "128", "--target_length", "64"]
+    assert cluster.main([*argv, "--pipeline_microbatches", "4", "--out_dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "compiled for a100-80gb" in out and "/model" in out
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    assert (tmp_path / "cluster.png").stat().st_size > 0
+    assert [r["strategy"] for r in report["rows"]] == ["DP+ZeRO-2", "TP+DP", "TP+PP+DP"]
+    for r in report["rows"]:
+        got = sum(r["collectives"]["kind"].values())
+        assert 1 / 1.15 <= got / sum(r["comm_model_bytes"].values()) <= 1.15, r["strategy"]
+        s = r["samples_per_s"]
+        assert s["roofline_no_overlap"] <= s["roofline_as_scheduled"] <= s["roofline_full_overlap"]
+        assert s["mfu_no_overlap"] <= s["mfu_full_overlap"] and s["roofline_full_overlap"] <= (
+            s["ceiling"]
+        )
+        assert 0 < r["memory_fraction"] < 1 and r["paper"]["samples_per_s"] in (790, 1080, 1410)
+    # 4 microbatches of 96 rows cannot each split over 32 GPUs: one line, before compiling.
+    bad = ["--rows", "tiny:512", "--batch_size", "96", "--out_dir", str(tmp_path)]
+    assert cluster.main(bad) == 2
+    assert "batch_size=96 is not divisible by the data axis (32) x StepConfig.microbatches (4)" in (
+        capsys.readouterr().err
+    )

@@ -97,8 +97,9 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
         config.num_heads,
         config.d_ff,
         config.vocab_size,
-        args.batch_size // args.accumulation,
+        args.batch_size,
         layers,
+        args.accumulation,
     )
     start = time.perf_counter()
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
@@ -116,7 +117,7 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
     b, n = args.batch_size, cluster.devices
     shapes = ModelShapes.of(config, optimizer)
     step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
-    model = comm_model.volumes(shapes, comm_model.Layout.of(plan, n, step, (b, length, target)))
+    expected = comm_model.volumes(shapes, comm_model.Layout.of(plan, n, step, (b, length, target)))
     lengths = (length, args.target_length)
     remat = "full" if pipe > 1 else args.remat
     executed = flops.executed_flops_per_step(config, b, *lengths, remat)
@@ -146,7 +147,7 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
         "comm_share": mfu_time.comm_share,
         "exposed_share": a["exposed_comm_s"] / (roof + a["exposed_comm_s"]),
         "model_tflops_per_step": model_flops / 1e12,
-        "comm_model_bytes": comm_model.by_kind(model),
+        "comm_model_bytes": comm_model.by_kind(expected),
         "paper": dict(
             zip(("samples_per_s", "memory_pct", "comm_pct"), PAPER[strategy], strict=True)
         ),
