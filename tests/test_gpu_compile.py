@@ -210,8 +210,9 @@ def test_bench_cluster_writes_the_table_json_and_plot(tmp_path, capsys):
         assert 1 / 1.15 <= got / sum(r["comm_model_bytes"].values()) <= 1.15, r["strategy"]
         s = r["samples_per_s"]
         assert s["roofline_no_overlap"] <= s["roofline_as_scheduled"] <= s["roofline_full_overlap"]
-        assert s["mfu_no_overlap"] <= s["mfu_full_overlap"] and s["roofline_full_overlap"] <= (
-            s["ceiling"]
+        assert (
+            s["mfu_no_overlap"] <= s["mfu_full_overlap"]
+            and s["roofline_full_overlap"] <= (s["ceiling"])
         )
         assert 0 < r["memory_fraction"] < 1 and r["paper"]["samples_per_s"] in (790, 1080, 1410)
     # 4 microbatches of 96 rows cannot each split over 32 GPUs: one line, before compiling.

@@ -31,7 +31,7 @@ CALIBRATION = {
     "none": (1.05, 0.0),
     "save_dots": (0.555, 16.4),
     "full": (1.11, 10.9),
-    "pipelined full": (0.91, 10.3),
+    "pipelined full": (0.95, 7.3),
 }
 
 
