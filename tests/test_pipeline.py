@@ -16,7 +16,7 @@ from test_step import _batches, _while_bodies
 from longt5_jax import train
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, check_fits, make_mesh
-from longt5_jax.parallel.pipeline import Pipeline
+from longt5_jax.parallel.pipeline import Pipeline, _segments
 from longt5_jax.parallel.rules import rules
 from longt5_jax.parallel.sharding import tree_shardings
 from longt5_jax.step import _summed_loss
@@ -230,3 +230,19 @@ def test_dropout_runs_through_the_stages():
     plain = LongT5(config).apply(variables, ids, None, dec)
     assert np.isfinite(noisy).all() and np.abs(noisy - exact).max() > 1e-3
     np.testing.assert_allclose(exact, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stages, micro, repeats", [(2, 8, 1), (2, 2, 2), (4, 4, 2), (4, 8, 3)])
+def test_circular_iterations_run_in_stretches_of_fixed_chunks(stages, micro, repeats):
+    """Every iteration in a stretch of one chunk has every stage in that repeat; the stretches
+    cover the schedule in order, and only (r - 1)(p - 1) iterations select a chunk per stage."""
+    cfg = Pipeline(stages, micro, repeats)
+    segments = _segments(cfg)
+    assert [a for a, _, _ in segments] == [0] + [b for _, b, _ in segments][:-1]
+    assert segments[-1][1] == micro * repeats + stages - 1
+    for start, stop, chunk in segments:
+        for t in range(start, stop):
+            used = {min(max((t - s) // micro, 0), repeats - 1) for s in range(stages)}
+            assert (used == {chunk}) if chunk is not None else (len(used) == 2)
+    mixed = sum(b - a for a, b, chunk in segments if chunk is None)
+    assert mixed == (repeats - 1) * (stages - 1)

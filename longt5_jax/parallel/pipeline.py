@@ -9,14 +9,15 @@ over the stages too: m microbatches of contiguous rows, m/p on each stage, kept 
 that turns by one slot every iteration (a ring shift of one microbatch). Stage 0 reads the slot
 in front; the last stage writes each finished microbatch back into that microbatch's own slot,
 from where a circular schedule reads it again on its next round. Every iteration all stages run
-at once; their outputs move one stage on (a collective-permute). A scan runs the r m + p - 1
-iterations, so the idle fraction is (p - 1) / (r m + p - 1). What a stage keeps for its
+at once; their outputs move one stage on (a collective-permute). Scans run the r m + p - 1
+iterations, so the idle fraction is (p - 1) / (r m + p - 1), one scan per stretch of
+iterations in which every stage's chunk is fixed (`_segments`). What a stage keeps for its
 backward pass is what its layers' remat policy keeps, as in a stack without a pipeline (a
-checkpoint around whole iterations as well would run the layers' forward, and its tensor-parallel
-all-reduces, a third time). So per iteration a device sends one
-microbatch to the next stage and one to the buffer's ring, and nothing else moves: no weights,
-no gathers. Per-microbatch inputs every stage reads (the encoder output, for the decoder) are
-gathered over the stages once per call.
+checkpoint around whole iterations as well would run the layers' forward, and its
+tensor-parallel all-reduces, a third time). So per iteration a device sends one microbatch to
+the next stage and one to the buffer's ring, and nothing else moves: no weights, no gathers.
+Per-microbatch inputs every stage reads (the encoder output, for the decoder) are gathered over
+the stages once per call.
 
 Inside a region already manual over the stage axis (the train step's, `parallel/region.py`)
 `run` is that code, on the stage's own rows and chunks; called under automatic sharding it opens
@@ -118,6 +119,23 @@ def _ring(buf: jax.Array, axis: str, p: int, step: int) -> jax.Array:
     return jnp.concatenate([_shift(buf[-1], axis, p, 1)[None], buf[:-1]])
 
 
+def _segments(cfg: Pipeline) -> list[tuple[int, int, int | None]]:
+    """The iterations [start, stop) in runs with the chunk every stage uses: stage s is in
+    repeat clip((t - s) // m, 0, r - 1) at iteration t, so all stages are in repeat j from
+    j m + p - 1 to (j + 1) m (to the end for the last), and in j - 1 or j for the p - 1
+    iterations before (chunk None: each stage selects its own)."""
+    p, m, r = cfg.stages, cfg.microbatches, cfg.repeats
+    out, start = [], 0
+    for j in range(r):
+        if j:
+            out.append((start, j * m + p - 1, None))
+            start = j * m + p - 1
+        stop = (j + 1) * m if j < r - 1 else cfg.iterations
+        out.append((start, stop, j))
+        start = stop
+    return [seg for seg in out if seg[0] < seg[1]]
+
+
 def _stages(cfg: Pipeline, stage_fn: StageFn, chunks, x, micro, shared) -> jax.Array:
     """One stage's part, manual over the stage axis: its chunks [r, k, ...], its rows' slots
     x [m/p, mb, ...]; every microbatch's per-microbatch rows [m, mb, ...]. Returns its slots."""
@@ -126,24 +144,29 @@ def _stages(cfg: Pipeline, stage_fn: StageFn, chunks, x, micro, shared) -> jax.A
     write = (m - p + 1) % m  # where the microbatch the last stage finishes sits in the ring
     owner, slot = write // (m // p), write % (m // p)
 
-    def compute(h, t):
+    def iteration(chunk, carry, t):
+        h, buf = carry
         step = t - s
         j = jnp.clip(step // m, 0, r - 1)
         mb = step % m
-        params = jax.tree.map(lambda w: jax.lax.select_n(j, *w) if r > 1 else w[0], chunks)
+        # A chunk fixed for the whole run of iterations is a constant of its loop, which the
+        # backward pass reads in place; one selected per iteration would be kept, a copy of
+        # the stage's weights each, so only the p - 1 iterations around a repeat's start do.
+        params = jax.tree.map(
+            lambda w: w[chunk] if chunk is not None else jax.lax.select_n(j, *w), chunks
+        )
         rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, 0, False), micro)
-        return stage_fn(params, h, rows, shared, j * p + s, mb)
-
-    def iteration(carry, t):
-        h, buf = carry
-        out = compute(jnp.where(s == 0, buf[0], h), t)
+        out = stage_fn(params, jnp.where(s == 0, buf[0], h), rows, shared, j * p + s, mb)
         last = out if owner == p - 1 else _shift(out, axis, p, owner - (p - 1))
         finished = (s == owner) & (t >= p - 1)
         buf = buf.at[slot].set(jnp.where(finished, last, buf[slot]))
         h = _shift(out, axis, p, 1)  # stage 0 takes its input from the ring instead
         return (h, _ring(buf, axis, p, -1)), None
 
-    (_, buf), _ = jax.lax.scan(iteration, (x[0] * 0, x), jnp.arange(cfg.iterations))
+    carry = (x[0] * 0, x)
+    for start, stop, chunk in _segments(cfg):
+        carry, _ = jax.lax.scan(functools.partial(iteration, chunk), carry, jnp.arange(start, stop))
+    buf = carry[1]
     for _ in range((p - 1) % m):  # after r m + p - 1 turns, slot i sits p - 1 places back
         buf = _ring(buf, axis, p, +1)
     return buf

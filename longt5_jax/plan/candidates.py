@@ -128,11 +128,13 @@ def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
     if c.pipeline > 1:  # the step's region: whole gradients per shard, and their partial sums
         grads = 2 * shapes.sharded_bytes(sizes, "grads", 0)
     if c.repeats > 1:
-        # A circular schedule selects one of the stage's r chunks every iteration, and the
-        # backward pass keeps each iteration's selection (the layers' remat saves its inputs):
-        # m r chunks, float32, beside the state (measured on the GPU compile; see README).
+        # A circular schedule holds its layers and their gradients stage-major beside the
+        # state, and keeps the chunk each stage selected in the (r - 1)(p - 1) iterations that
+        # straddle a repeat's start (`pipeline._segments`), float32.
+        grads += shapes.sharded_bytes(sizes, "params", zero, stacked_only=True)
+        grads += shapes.sharded_bytes(sizes, "grads", zero, stacked_only=True)
         stage = shapes.sharded_bytes(sizes, "params", 0, stacked_only=True)
-        grads += c.microbatches * stage
+        grads += (c.repeats - 1) * (c.pipeline - 1) * stage / c.repeats
     return params + opt + grads
 
 

@@ -31,7 +31,8 @@ CALIBRATION = {
     "none": (1.05, 0.0),
     "save_dots": (0.555, 16.4),
     "full": (1.11, 10.9),
-    "pipelined full": (0.95, 7.3),
+    "pipelined full": (0.89, 6.3),
+    "pipelined save_dots": (0.505, 70.8),
 }
 
 
