@@ -53,6 +53,7 @@ def zero_steps(a100):
     }
 
 
+@pytest.mark.slow  # two minutes of compiles: `.ci/run` runs it with the slow tests
 def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
     """...with its tensor groups inside a node, and each collective kind carrying at least 5% of
     the bytes within 15% of the analytic model (XLA adds a few small collectives of its own)."""
