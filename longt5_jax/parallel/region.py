@@ -74,34 +74,25 @@ class ShardRegion:
     def _param_specs(self) -> Any:
         return jax.tree.map(lambda s: _only(s.spec, (PIPELINE,)), self.param_shardings)
 
-    def _enter_shardings(self, shardings: Any) -> Any:
-        """Shardings as the region holds the tree (layer shardings hold stage-major too)."""
-        return shardings
-
-    def _enter(self, params: Any) -> Any:
-        """Parameters laid out for the region: stacked pipeline layers stage-major."""
+    def _reorder(self, tree: Any, shardings: Any, order: Callable) -> Any:
+        """Stacked pipeline layers (those split over the stage axis on their first dimension)
+        put in `order` (`pp.stage_major` on the way in, `pp.layer_major` out) for a circular
+        schedule; a GPipe one keeps layer order."""
         if not self.pipeline or self.pipeline.repeats == 1:
-            return params
+            return tree
 
         def one(w, sharding):
             if _axis_of(sharding.spec, PIPELINE) != 0:
                 return w
-            w = pp.stage_major(w, self.pipeline)
-            return jax.lax.with_sharding_constraint(w, sharding)
+            return jax.lax.with_sharding_constraint(order(w, self.pipeline), sharding)
 
-        return jax.tree.map(one, params, self.param_shardings)
+        return jax.tree.map(one, tree, shardings)
+
+    def _enter(self, params: Any) -> Any:
+        return self._reorder(params, self.param_shardings, pp.stage_major)
 
     def _exit(self, grads: Any) -> Any:
-        """Gradients back from stage-major to layer order."""
-        if not self.pipeline or self.pipeline.repeats == 1:
-            return grads
-
-        def one(g, sharding):
-            if _axis_of(sharding.spec, PIPELINE) != 0:
-                return g
-            return jax.lax.with_sharding_constraint(pp.layer_major(g, self.pipeline), sharding)
-
-        return jax.tree.map(one, grads, self.grad_shardings)
+        return self._reorder(grads, self.grad_shardings, pp.layer_major)
 
     def _inner_rules(self, rules: tuple) -> tuple:
         def drop(target):
@@ -173,7 +164,7 @@ class ShardRegion:
                 want,
             ),
             partial,
-            self._enter_shardings(self.grad_shardings),
+            self.grad_shardings,
         )
         return stats, self._exit(grads)
 
