@@ -233,10 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         rows = _rows(args)
-        target = targets.load(args.target)
-        if target.is_gpu and not targets.have_gpu_compiler():
-            raise ValueError(targets.GPU_EXTRA_MISSING)
-        targets.prepare_environment()
+        target, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         from longt5_jax.plan import cost
 
         cluster = cost.Cluster.of(
@@ -249,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
         )
-        devices = targets.devices(target, args.nodes, args.gpus_per_node)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

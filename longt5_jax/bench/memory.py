@@ -174,13 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _grid(args)
-        target = targets.load(args.target)
-        if not target.is_gpu:
+        if not targets.load(args.target).is_gpu:
             raise ValueError("--target: the calibration is against a GPU compile")
-        if not targets.have_gpu_compiler():
-            raise ValueError(targets.GPU_EXTRA_MISSING)
-        targets.prepare_environment()
-        devices = targets.devices(target, args.nodes, args.gpus_per_node)
+        _, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         rows = _measure(args, devices)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

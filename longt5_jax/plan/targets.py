@@ -110,6 +110,16 @@ def prepare_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+def open_target(name: str, nodes: int, gpus_per_node: int) -> tuple[Target, list]:
+    """The target `name` and its devices to compile for, the environment set first (before jax
+    starts); a one-line ValueError for an unknown target or a GPU one without the gpu extra."""
+    target = load(name)
+    if target.is_gpu and not have_gpu_compiler():
+        raise ValueError(GPU_EXTRA_MISSING)
+    prepare_environment()
+    return target, devices(target, nodes, gpus_per_node)
+
+
 def devices(target: Target, nodes: int, gpus_per_node: int) -> list:
     """`nodes x gpus_per_node` devices to compile for: compile-only GPUs (node = process_index),
     or this process's CPU devices (node = position // gpus_per_node) when there are that many."""
