@@ -69,7 +69,7 @@ def train(cfg: dict) -> dict:
             f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
         )
     mesh = make_mesh(cfg["mesh"])
-    model = LongT5(model_cfg, pipeline=cfg["mesh"].pipeline_plan())
+    model = LongT5(model_cfg, runner=cfg["mesh"].pipeline_plan())
     step = ShardedStep(model, cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"])
     state = step.init(jax.random.key(run.seed))
     if jax.process_index() == 0:

@@ -25,7 +25,7 @@ import pytest
 from longt5_jax import configuration
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig
-from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, targets
+from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, hlo_module, targets
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.step import StepConfig
 
@@ -124,9 +124,9 @@ def test_zero_bytes_match_the_ring_model_on_gpu_hlo(zero_steps, stage):
 
 def test_async_collectives_are_counted_once_with_their_mesh_groups(zero_steps):
     text = zero_steps[2].executable.as_text()
-    starts = [i for _, _, i in hlo.instructions(text) if i.opcode.endswith("-start")]
+    starts = [i for _, _, i in hlo_module.instructions(text) if i.opcode.endswith("-start")]
     starts = [i for i in starts if i.opcode.removesuffix("-start") in hlo.KINDS]
-    dones = [i for _, _, i in hlo.instructions(text) if i.opcode.endswith("-done")]
+    dones = [i for _, _, i in hlo_module.instructions(text) if i.opcode.endswith("-done")]
     assert starts and len(dones) >= len(starts)
     ops = hlo.collectives(text)
     assert sorted(op.name for op in ops) == sorted(i.name for i in starts)
@@ -221,4 +221,29 @@ def test_bench_cluster_writes_the_table_json_and_plot(tmp_path, capsys):
     assert cluster.main(bad) == 2
     assert "batch_size=96 is not divisible by the data axis (32) x StepConfig.microbatches (4)" in (
         capsys.readouterr().err
+    )
+
+
+@pytest.mark.slow
+def test_bench_memory_sets_the_estimate_beside_the_compile_and_refits(tmp_path, capsys):
+    """Two tiny layouts compiled for the A100 cluster: each row's compiled memory beside the
+    estimate, and the refit's worst error no larger than the shipped calibration's (it is the
+    smallest worst error there is)."""
+    from longt5_jax.bench import memory
+
+    grid = "tiny:512:128=32,1,1,2,0,1,full;8,4,1,1,0,1,save_dots"
+    argv = ["--grid", grid, "--target_length", "64", "--fit", "--out_dir", str(tmp_path)]
+    assert memory.main(argv) == 0
+    report = json.loads((tmp_path / "memory.json").read_text())
+    assert (tmp_path / "memory.png").stat().st_size > 0 and len(report["rows"]) == 2
+
+    def worst(name):
+        return max(abs(r[f"estimate_{name}"] / r["compiled"] - 1) for r in report["rows"])
+
+    assert all(r["compiled"] > 0 for r in report["rows"])
+    assert worst("refit") <= worst("estimate") + 1e-9
+    capsys.readouterr()
+    assert memory.main(["--target", "cpu", "--out_dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --target: the calibration is against a GPU compile"
     )

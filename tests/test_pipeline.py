@@ -75,7 +75,7 @@ def _pipelined(plan_name, attention, reference, batch):
         pipeline_repeats=repeats,
     )
     mesh = make_mesh(plan)
-    model = LongT5(_config(attention), pipeline=plan.pipeline_plan())
+    model = LongT5(_config(attention), runner=plan.pipeline_plan())
     params = reference[attention][0]
     ids = jnp.ones((1, 1), jnp.int32)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, None, ids)["params"])
@@ -221,7 +221,7 @@ def test_dropout_runs_through_the_stages():
     """Fine-tuning uses dropout: each chunk and microbatch draws masks; no-dropout is exact."""
     config = LongT5Config.preset("tiny", "transient-global", dropout_rate=0.1)
     ids, dec = jnp.ones((4, 16), jnp.int32), jnp.ones((4, 4), jnp.int32)
-    model = LongT5(config, pipeline=Pipeline(2, 2))
+    model = LongT5(config, runner=Pipeline(2, 2))
     variables = model.init(jax.random.key(0), ids, None, dec)
     noisy = model.apply(
         variables, ids, None, dec, deterministic=False, rngs={"dropout": jax.random.key(1)}

@@ -49,7 +49,7 @@ class _Timed:
     """A compiled step with its state, for alternating timed calls."""
 
     def __init__(self, config: LongT5Config, plan: MeshConfig, batch: dict):
-        model = LongT5(config, pipeline=plan.pipeline_plan())
+        model = LongT5(config, runner=plan.pipeline_plan())
         self.step = ShardedStep(model, StepConfig(), optax.adamw(1e-3), make_mesh(plan), plan)
         self.state = self.step.init(jax.random.key(0))
         self.batch = batch

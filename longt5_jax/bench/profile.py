@@ -21,7 +21,7 @@ import jax
 
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.model import LongT5Config
-from longt5_jax.plan import hlo
+from longt5_jax.plan import hlo_module
 
 _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
 
@@ -42,7 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
     """Instruction name -> output shape, model path (HLO metadata) and whether it is a matmul."""
-    found = list(hlo.instructions(hlo_text))
+    found = list(hlo_module.instructions(hlo_text))
     opcodes = collections.defaultdict(set)
     for computation, _, instr in found:
         opcodes[computation].add(instr.opcode)

@@ -5,7 +5,8 @@ Letter key: B batch, L encoder length, T decoder length, S key length, D embed, 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -21,10 +22,22 @@ from longt5_jax.model.long_attention import (
     global_blocks,
     relative_positions_3block,
 )
-from longt5_jax.parallel import pipeline as pp
 
 EMBED = ("batch", "length", "embed")
 Cache = dict[str, jax.Array]
+
+
+class StackRunner(Protocol):
+    """Runs a layer stack another way than the scan (`parallel.pipeline.Pipeline`), injected so
+    that the model never knows how: stage_fn(chunk_params, x, per_microbatch rows, shared,
+    chunk index, microbatch index) applies a chunk of layers."""
+
+    def chunk_length(self, held_layers: int, what: str) -> int: ...
+
+    def run(
+        self, stage_fn: Callable, layer_params: Any, x: jax.Array, per_microbatch: Any, shared: Any
+    ) -> jax.Array: ...
+
 
 _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -52,25 +65,26 @@ def _stack(
     return scanned(config, deterministic, name=name, **kwargs)
 
 
-def _pipelined(
+def _run_by(
     parent: nn.Module,
     stack: nn.Module,
     layer: type[nn.Module],
     in_axes: tuple,
-    pipeline: pp.Pipeline,
+    runner: StackRunner,
     deterministic: bool,
     call: Any,
     x: jax.Array,
     per_microbatch: Any,
     shared: Any,
 ) -> jax.Array:
-    """`stack` (already holding its [layers, ...] parameters) run as a pipeline.
+    """`stack` (already holding its [layers, ...] parameters) run by `runner`, a chunk of
+    layers at a time.
 
     `call(chunk, h, rows, shared)` applies a chunk of layers to `h` with the layer's arguments
     rebuilt from this microbatch's `rows` and the `shared` inputs.
     """
     c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
-    k = pipeline.chunk_length(held, f"{type(parent).__name__} layers")
+    k = runner.chunk_length(held, f"{type(parent).__name__} layers")
     chunk = _stack(layer, c, k, in_axes, deterministic, None, parent=None)
     rng = None if deterministic else parent.make_rng("dropout")
 
@@ -82,7 +96,7 @@ def _pipelined(
             lambda *args: chunk.apply({"params": params}, *args, rngs=rngs)[0], h, rows, shared
         )
 
-    return pp.run(pipeline, stage_fn, stack.variables["params"], x, per_microbatch, shared)
+    return runner.run(stage_fn, stack.variables["params"], x, per_microbatch, shared)
 
 
 class EncoderLayer(nn.Module):
@@ -157,7 +171,7 @@ class DecoderLayer(nn.Module):
 
 class Encoder(nn.Module):
     config: LongT5Config
-    pipeline: pp.Pipeline | None = None
+    runner: StackRunner | None = None
 
     @nn.compact
     def __call__(
@@ -178,7 +192,7 @@ class Encoder(nn.Module):
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         in_axes = (nn.broadcast,) * 4
         layers = _stack(EncoderLayer, c, c.num_encoder_layers, in_axes, deterministic, "layers")
-        if self.pipeline is None or self.is_initializing():
+        if self.runner is None or self.is_initializing():
             x, _ = layers(x, segment_ids, local_bias_HWX, blocks, side_table_HR)
         else:
 
@@ -187,12 +201,12 @@ class Encoder(nn.Module):
 
             per_microbatch = (segment_ids, blocks)
             shared = (local_bias_HWX, side_table_HR)
-            x = _pipelined(
+            x = _run_by(
                 self,
                 layers,
                 EncoderLayer,
                 in_axes,
-                self.pipeline,
+                self.runner,
                 deterministic,
                 call,
                 x,
@@ -205,7 +219,7 @@ class Encoder(nn.Module):
 
 class Decoder(nn.Module):
     config: LongT5Config
-    pipeline: pp.Pipeline | None = None
+    runner: StackRunner | None = None
 
     @nn.compact
     def __call__(
@@ -229,7 +243,7 @@ class Decoder(nn.Module):
         y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
         in_axes = (0,) + (nn.broadcast,) * 5
         layers = _stack(DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers")
-        if self.pipeline is None or cache is not None or self.is_initializing():
+        if self.runner is None or cache is not None or self.is_initializing():
             y, cache = layers(y, cache, encoded, self_mask, bias_HTS, cross_mask, cache_index)
         else:  # training: the encoder output follows each microbatch to every stage
 
@@ -242,12 +256,12 @@ class Decoder(nn.Module):
                 jnp.broadcast_to(self_mask, (b, *self_mask.shape[1:])),
                 jnp.broadcast_to(cross_mask, (b, *cross_mask.shape[1:])),
             )
-            y = _pipelined(
+            y = _run_by(
                 self,
                 layers,
                 DecoderLayer,
                 in_axes,
-                self.pipeline,
+                self.runner,
                 deterministic,
                 call,
                 y,
@@ -294,13 +308,13 @@ class LongT5(nn.Module):
     """
 
     config: LongT5Config
-    # Run the encoder and decoder stacks as pipelines over the `stage` axis (training only).
-    pipeline: pp.Pipeline | None = None
+    # Runs the encoder and decoder stacks instead of a scan (the pipeline; training only).
+    runner: StackRunner | None = None
 
     def setup(self):
         self.token_embedder = Embed(self.config)
-        self.encoder = Encoder(self.config, self.pipeline)
-        self.decoder = Decoder(self.config, self.pipeline)
+        self.encoder = Encoder(self.config, self.runner)
+        self.decoder = Decoder(self.config, self.runner)
 
     def __call__(
         self,

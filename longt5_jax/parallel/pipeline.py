@@ -78,6 +78,10 @@ class Pipeline:
             return held_layers // self.repeats
         return self.check(held_layers, what)
 
+    def run(self, stage_fn: StageFn, layer_params, x, per_microbatch, shared) -> jax.Array:
+        """The model's stack runner (`model.transformer.StackRunner`): module-level `run`."""
+        return run(self, stage_fn, layer_params, x, per_microbatch, shared)
+
     @property
     def iterations(self) -> int:
         return self.microbatches * self.repeats + self.stages - 1

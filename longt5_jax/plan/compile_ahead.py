@@ -23,7 +23,7 @@ import optax
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh, node_of
-from longt5_jax.plan import cost, hlo, roofline
+from longt5_jax.plan import cost, hlo, hlo_module, roofline
 from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState
 
 
@@ -63,7 +63,7 @@ def sharded_step(
 ) -> ShardedStep:
     """The train step of `config` laid out per `plan` (AdamW unless told otherwise), on
     `devices` in nodes of `per_node` (default: as the devices say)."""
-    model = LongT5(config, pipeline=plan.pipeline_plan())
+    model = LongT5(config, runner=plan.pipeline_plan())
     return ShardedStep(
         model,
         step_cfg or StepConfig(),
@@ -114,8 +114,8 @@ class CompiledStep:
     gpus_per_node: int
 
     @functools.cached_property
-    def module(self) -> hlo.Module:
-        return hlo.Module.parse(self.executable.as_text())
+    def module(self) -> hlo_module.Module:
+        return hlo_module.Module.parse(self.executable.as_text())
 
     @functools.cached_property
     def collectives(self) -> list[hlo.Collective]:

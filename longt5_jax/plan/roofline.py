@@ -21,7 +21,8 @@ import re
 
 import numpy as np
 
-from longt5_jax.plan.hlo import KINDS, Computation, Instr, Module, dims, shape_bytes
+from longt5_jax.plan.hlo import KINDS
+from longt5_jax.plan.hlo_module import Computation, Instr, Module, dims, shape_bytes
 
 # Instructions that launch no kernel: bookkeeping, control flow (their bodies are counted as
 # computations of their own), and the second half of asynchronous pairs.
