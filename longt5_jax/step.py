@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5
 from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
 from longt5_jax.parallel.sharding import activation_context, optimizer_shardings, tree_shardings
 from longt5_jax.xla_options import compiler_options
@@ -139,17 +140,21 @@ def train_step(
     cfg: StepConfig,
     optimizer: optax.GradientTransformation,
     grad_constraint: Callable[[Any], Any],
+    memory: StateMemory,
     state: TrainState,
     batch: Batch,
     rng: jax.Array | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update. `gradients(params, batch, rng)` gives the summed statistics and
-    gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter)."""
-    stats, grads = gradients(state.params, batch, rng)
+    gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter); `memory` moves
+    offloaded state to the device and back."""
+    old_params = memory.params_in(state.params)
+    stats, grads = gradients(old_params, batch, rng)
     scale = 1.0 / stats["weight"] if cfg.loss_normalization == "tokens" else 1.0
     grads = grad_constraint(jax.tree.map(lambda g: g * scale, grads))
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    old_opt, grads = memory.opt_in(state.opt_state, after=grads)
+    updates, opt_state = optimizer.update(grads, old_opt, old_params)
+    params = optax.apply_updates(old_params, updates)
     grad_norm = optax.tree.norm(grads)
     loss = stats["loss_sum"] * scale
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -157,8 +162,9 @@ def train_step(
         params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state),
-            (state.params, state.opt_state),
+            (old_params, old_opt),
         )
+    params, opt_state = memory.params_out(params), memory.opt_out(opt_state)
     metrics = {
         "loss": loss,
         "z_loss": stats["z_loss_sum"] * scale,
@@ -190,10 +196,18 @@ class ShardedStep:
         opt_layout = tree_shardings(boxed, self.mesh, "opt_state", zero)
         params = nn.unbox(boxed)
         opt_state = jax.eval_shape(self.optimizer.init, params)
+        if self.plan.offload != "none":
+            check_host_memory(self.mesh.devices.flat[0])
+        self.memory = StateMemory(
+            self.param_shardings,
+            optimizer_shardings(opt_state, params, opt_layout, self.mesh),
+            self.plan.offload,
+        )
+        # Between steps each part of the state lives where the plan says: device or host.
         self.state_shardings = TrainState(
             step=NamedSharding(self.mesh, PartitionSpec()),
-            params=self.param_shardings,
-            opt_state=optimizer_shardings(opt_state, params, opt_layout, self.mesh),
+            params=self.memory.params_home,
+            opt_state=self.memory.opt_home,
         )
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self._step = None
@@ -236,7 +250,12 @@ class ShardedStep:
     def _jitted(self):
         if self._step is None:
             fn = functools.partial(
-                train_step, self._gradients, self.step_cfg, self.optimizer, self._constrain_grads
+                train_step,
+                self._gradients,
+                self.step_cfg,
+                self.optimizer,
+                self._constrain_grads,
+                self.memory,
             )
             self._step = jax.jit(
                 fn,
@@ -258,6 +277,8 @@ class ShardedStep:
 
     def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
         """Summed loss, weight and correct tokens of a global `batch` (no dropout, no update)."""
+        if self.memory.params_offloaded:  # evaluation reads them on the device
+            params = jax.device_put(params, self.param_shardings)
         with self._context():
             if self.plan.pipeline > 1:  # the pipeline runs in the region's stage axis
                 return self._eval_region(params, batch)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from longt5_jax.parallel.offload import OFFLOADS, Offload
 from longt5_jax.parallel.pipeline import Pipeline
 
 AXES = ("data", "tensor", "pipeline")
@@ -31,8 +32,13 @@ class MeshConfig:
     # idle fraction is (pipeline - 1) / (repeats x microbatches + pipeline - 1).
     pipeline_microbatches: int = 0
     pipeline_repeats: int = 1
+    # ZeRO-Offload: keep the optimizer state ('optimizer'), and the float32 master parameters
+    # too ('optimizer_and_params'), in host memory between steps (parallel/offload.py).
+    offload: Offload = "none"
 
     def __post_init__(self):
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"MeshConfig.offload={self.offload!r}: expected one of {OFFLOADS}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"MeshConfig.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
         for name in ("tensor", "pipeline"):

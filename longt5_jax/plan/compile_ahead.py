@@ -23,6 +23,7 @@ import optax
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh, node_of
+from longt5_jax.parallel.offload import compile_only
 from longt5_jax.plan import cost, hlo, hlo_module, roofline
 from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState
 
@@ -77,16 +78,8 @@ def compile_step(step: ShardedStep, batch_size: int, input_length: int, target_l
     """The compiled (`jax.stages.Compiled`) train step for batches of this shape."""
     state = abstract_state(step)
     batch = abstract_batch(step, batch_size, input_length, target_length)
-    with _persistent_cache(not _compile_only(step.mesh.devices.flat[0])):
+    with _persistent_cache(not compile_only(step.mesh.devices.flat[0])):
         return step.lower(state, batch).compile()
-
-
-def _compile_only(device: Any) -> bool:
-    """Whether `device` is a compile-only device (a deviceless target), not this process's."""
-    try:
-        return device not in jax.devices(device.platform)
-    except RuntimeError:  # no backend of that platform here
-        return True
 
 
 @contextlib.contextmanager

@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from longt5_jax.plan.hlo_module import Computation, Instr, Module, largest_array_bytes, shape_bytes
+from longt5_jax.plan.hlo_module import (
+    Computation,
+    Instr,
+    Module,
+    arrays,
+    largest_array_bytes,
+    shape_bytes,
+)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -273,6 +280,36 @@ def memory(compiled: Any) -> Memory:
         generated_code=int(m.generated_code_size_in_bytes),
         host=host("argument") + host("output") - host("alias") + host("temp"),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTransfers:
+    """Per-device bytes per step copied between host memory and the device (PCIe on a GPU):
+    offloaded state coming in for the step, and going back."""
+
+    to_device: float = 0.0
+    to_host: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.to_device + self.to_host
+
+
+def host_transfers(module: Module) -> HostTransfers:
+    """The host <-> device copies of a compiled step: `copy-start` (asynchronous: its result is
+    (destination, source, context)) or a plain `copy` whose operand sits in the other memory."""
+    moved = {True: 0.0, False: 0.0}  # keyed by: to the device?
+    for comp, times in module.scheduled():
+        for instr in comp.instrs:
+            if instr.opcode == "copy-start":
+                pair = arrays(instr.type)[:2]
+            elif instr.opcode == "copy" and instr.operands:
+                pair = arrays(instr.type)[:1] + arrays(comp.types.get(instr.operands[0], ""))[:1]
+            else:
+                continue
+            if len(pair) == 2 and pair[0][1] != pair[1][1]:
+                moved[pair[1][1]] += pair[0][0] * times
+    return HostTransfers(to_device=moved[True], to_host=moved[False])
 
 
 def zero_volumes(

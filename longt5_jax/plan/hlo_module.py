@@ -47,6 +47,19 @@ def largest_array_bytes(type_text: str) -> int:
     return max((shape_bytes(f"{d}[{s}]") for d, s in _SHAPE.findall(type_text)), default=0)
 
 
+# An array type with its layout; `S(5)` in the layout is XLA's host memory space.
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?\[[\d,]*\])(\{[^}]*\})?")
+HOST_SPACE = "S(5)"
+
+
+def arrays(type_text: str) -> list[tuple[int, bool]]:
+    """(bytes, in host memory) of each array of a type, in order (a tuple's elements)."""
+    return [
+        (shape_bytes(shape), HOST_SPACE in (layout or ""))
+        for shape, layout in _ARRAY.findall(type_text)
+    ]
+
+
 def dims(type_text: str) -> tuple[int, ...]:
     """The dimensions of an array type."""
     m = _SHAPE.search(type_text)

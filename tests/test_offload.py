@@ -1,0 +1,112 @@
+"""ZeRO-Offload: state kept in host memory between steps changes where bytes live, not results.
+
+The runs compare bitwise-equal programs up to where arrays live, so they are held to 1e-6
+relative (they measure equal); the deviceless GPU compile shows the device bytes leave.
+"""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from test_step import _batches, ADAFACTOR
+from test_train import TINY_RUN
+
+from longt5_jax import train
+from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.optim import make_optimizer
+from longt5_jax.parallel import offload
+from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.step import ShardedStep, StepConfig
+
+# Four layers per stack, so that two pipeline stages divide them.
+CONFIG = LongT5Config.preset("tiny", num_encoder_layers=4, num_decoder_layers=4)
+PLANS = {
+    "dp4_tp2": dict(data=4, tensor=2, zero_stage=1),
+    "dp2_tp2_pp2": dict(data=2, tensor=2, pipeline=2, pipeline_microbatches=2, zero_stage=3),
+}
+OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-2), "adafactor": lambda: make_optimizer(ADAFACTOR)}
+
+
+def _run(plan: str, optimizer: str, mode: str, microbatches: int = 1, steps: int = 3):
+    cfg = MeshConfig(**PLANS[plan], offload=mode)
+    step = ShardedStep(
+        LongT5(CONFIG, runner=cfg.pipeline_plan()),
+        StepConfig(microbatches=microbatches),
+        OPTIMIZERS[optimizer](),
+        make_mesh(cfg),
+        cfg,
+    )
+    state = step.init(jax.random.key(0))
+    losses, kinds = [], []
+    for batch in _batches(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        kinds.append(
+            {
+                part: {x.sharding.memory_kind for x in jax.tree.leaves(getattr(state, part))}
+                for part in ("params", "opt_state")
+            }
+        )
+    evaluated = step.evaluate(state.params, _batches(1, seed=1)[0])
+    return np.array(losses), jax.tree.map(np.asarray, state.params), kinds, evaluated
+
+
+CASES = [
+    pytest.param("dp4_tp2", "adamw", 1),
+    pytest.param("dp2_tp2_pp2", "adafactor", 2, marks=pytest.mark.slow),
+    pytest.param("dp4_tp2", "adafactor", 2, marks=pytest.mark.slow),
+    pytest.param("dp2_tp2_pp2", "adamw", 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("plan, optimizer, microbatches", CASES)
+def test_offloaded_runs_equal_runs_on_the_device(plan, optimizer, microbatches):
+    want = _run(plan, optimizer, "none", microbatches)
+    assert all(k == {"params": {"device"}, "opt_state": {"device"}} for k in want[2])
+    for mode, params_kind in (("optimizer", "device"), ("optimizer_and_params", "pinned_host")):
+        losses, params, kinds, evaluated = _run(plan, optimizer, mode, microbatches)
+        np.testing.assert_allclose(losses, want[0], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want[1]), strict=True):
+            assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
+        # Between steps the offloaded arrays report the host memory kind.
+        assert all(k == {"params": {params_kind}, "opt_state": {"pinned_host"}} for k in kinds)
+        np.testing.assert_allclose(evaluated["loss_sum"], want[3]["loss_sum"], rtol=1e-6)
+
+
+def _losses(model_dir):
+    rows = map(json.loads, (model_dir / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
+
+
+def test_checkpoints_move_between_offloaded_and_device_runs(tmp_path):
+    """Saved offloaded, resumed on the device, saved, resumed offloaded again: the losses of
+    the uninterrupted run on the device."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = [*TINY_RUN, "--gin.CheckpointConfig.save_every=1"]
+
+    def run(steps, model_dir, mode):
+        args = [f"--gin.RunConfig.train_steps={steps}", f"--gin.MODEL_DIR='{model_dir}'"]
+        assert train.main([*common, *args, f"--gin.MeshConfig.offload='{mode}'"]) == 0
+
+    run(4, whole, "none")
+    run(2, split, "optimizer_and_params")
+    run(3, split, "none")
+    run(4, split, "optimizer")
+    assert _losses(split) == _losses(whole) and len(_losses(whole)) == 4
+
+
+def test_a_platform_without_host_memory_is_a_one_line_error(monkeypatch):
+    class Device:  # a backend that reports only its own memory
+        platform = "tpu"
+
+        def addressable_memories(self):
+            return [type("Memory", (), {"kind": "device"})()]
+
+    monkeypatch.setattr(offload, "compile_only", lambda device: False)  # a device of this process
+    with pytest.raises(offload.NoHostMemory, match=r"MeshConfig.offload: the tpu devices have"):
+        offload.check_host_memory(Device())
+    offload.check_host_memory(jax.devices()[0])  # the CPU has pinned_host
+    with pytest.raises(ValueError, match="MeshConfig.offload='disk'"):
+        MeshConfig(offload="disk")
