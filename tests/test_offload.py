@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_step import _batches, ADAFACTOR
+from test_step import ADAFACTOR, _batches
 from test_train import TINY_RUN
 
 from longt5_jax import train

@@ -19,6 +19,7 @@ from longt5_jax import flops
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.offload import OFFLOADS
 from longt5_jax.plan import comm_model, cost, memory_model
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.step import StepConfig
@@ -34,6 +35,7 @@ class Candidate:
     repeats: int
     remat: str
     batch_size: int
+    offload: str = "none"  # MeshConfig.offload
 
     def mesh(self) -> MeshConfig:
         return MeshConfig(
@@ -43,6 +45,7 @@ class Candidate:
             self.zero_stage,
             pipeline_microbatches=self.microbatches,
             pipeline_repeats=self.repeats,
+            offload=self.offload,
         )
 
     @property
@@ -51,8 +54,9 @@ class Candidate:
 
     def label(self) -> str:
         pipe = f" m{self.microbatches} r{self.repeats}" if self.pipeline > 1 else ""
+        off = f" offload={self.offload}" if self.offload != "none" else ""
         return (
-            f"d{self.data} t{self.tensor} p{self.pipeline}{pipe} ZeRO-{self.zero_stage} "
+            f"d{self.data} t{self.tensor} p{self.pipeline}{pipe} ZeRO-{self.zero_stage}{off} "
             f"remat={self.remat} B={self.batch_size}"
         )
 
@@ -64,6 +68,8 @@ class Candidate:
             f"--gin.MeshConfig.pipeline={self.pipeline}",
             f"--gin.MeshConfig.zero_stage={self.zero_stage}",
         ]
+        if self.offload != "none":
+            lines.append(f"--gin.MeshConfig.offload=\"'{self.offload}'\"")
         if self.pipeline > 1:
             lines += [
                 f"--gin.MeshConfig.pipeline_microbatches={self.microbatches}",
@@ -81,9 +87,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_candidates(
-    config: LongT5Config, devices: int, gpus_per_node: int, batch_sizes: list[int]
+    config: LongT5Config,
+    devices: int,
+    gpus_per_node: int,
+    batch_sizes: list[int],
+    offloads: tuple[str, ...] = OFFLOADS,
 ) -> list[Candidate]:
-    """Every configuration that divides the model, the batch and the devices.
+    """Every configuration that divides the model, the batch and the devices, with each of
+    `offloads`.
 
     Tensor parallelism stays inside a node (its all-reduces are on the critical path).
     """
@@ -100,8 +111,8 @@ def enumerate_candidates(
         for (m, r), batch in itertools.product(schedules, batch_sizes):
             if any(n % (p * r) for n in layers) or batch % (data * max(m, 1)):
                 continue
-            for zero, remat in itertools.product(range(4), REMAT_POLICIES):
-                out.append(Candidate(data, t, p, zero, m, r, remat, batch))
+            for zero, remat, off in itertools.product(range(4), REMAT_POLICIES, offloads):
+                out.append(Candidate(data, t, p, zero, m, r, remat, batch, off))
     return out
 
 
@@ -119,8 +130,9 @@ def activations(c: Candidate, config: LongT5Config, lengths: tuple[int, int]):
     )
 
 
-def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
-    """Parameters, optimizer state and gradients per device, from the rule table."""
+def state_bytes(c: Candidate, shapes: ModelShapes) -> dict[str, float]:
+    """Per-device bytes of parameters, optimizer state and gradients (from the rule table), and
+    of what offload keeps in host memory between steps."""
     sizes, zero = c.sizes, c.zero_stage
     params = shapes.sharded_bytes(sizes, "params", zero)
     opt = shapes.sharded_bytes(sizes, "opt_state", zero) * shapes.opt_bytes_per_param_byte
@@ -135,7 +147,23 @@ def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
         grads += shapes.sharded_bytes(sizes, "grads", zero, stacked_only=True)
         stage = shapes.sharded_bytes(sizes, "params", 0, stacked_only=True)
         grads += (c.repeats - 1) * (c.pipeline - 1) * stage / c.repeats
-    return params + opt + grads
+    host = 0.0 if c.offload == "none" else opt
+    # Offloaded parameters still come to the device for the step's forward and backward
+    # passes: counted there too (an upper bound: XLA frees some of them early).
+    host += params if c.offload == "optimizer_and_params" else 0.0
+    device_opt = 0.0 if c.offload != "none" else opt
+    return {"device": params + device_opt + grads, "host": host}
+
+
+def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
+    """The state's bytes on each device during a step (`state_bytes`)."""
+    return state_bytes(c, shapes)["device"]
+
+
+def host_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> float:
+    """Time of the step's host <-> device copies: what offload keeps on the host comes to the
+    device and goes back once per step, over each GPU's own PCIe link."""
+    return cost.host_seconds(2 * state_bytes(c, shapes)["host"], cluster)
 
 
 def memory_estimate(c: Candidate, shapes: ModelShapes, lengths: tuple[int, int]) -> float:
@@ -187,4 +215,7 @@ def estimate(
     )
     idle = cost.bubble(c.pipeline, c.microbatches, c.repeats)
     comm = comm_estimate(c, shapes, lengths, cluster)
-    return Estimate(c, memory_estimate(c, shapes, lengths), cost.step_time(compute, comm, idle))
+    host = host_seconds(c, shapes, cluster)
+    return Estimate(
+        c, memory_estimate(c, shapes, lengths), cost.step_time(compute, comm, idle, host)
+    )

@@ -119,6 +119,10 @@ class CompiledStep:
         devices = list(self.step.mesh.devices.flat)
         return hlo.Placement.of(self.step.mesh, node_of(devices, self.gpus_per_node))
 
+    @functools.cached_property
+    def host_transfers(self) -> hlo.HostTransfers:
+        return hlo.host_transfers(self.module)
+
     def memory(self) -> hlo.Memory:
         return hlo.memory(self.executable)
 
@@ -134,6 +138,8 @@ class CompiledStep:
             "memory": self.memory().as_dict(),
             "collectives": hlo.bytes_by(self.collectives, self.placement),
             "comm_s": sum(seconds.values()),
+            "host_transfers": dataclasses.asdict(self.host_transfers),
+            "host_s": cost.host_seconds(self.host_transfers.total, cluster),
             "roofline": roofline.roofline(self.module, peak, hbm).as_dict(),
             "exposed_comm_s": roofline.exposed_communication(self.module, once, peak, hbm),
         }

@@ -3,8 +3,12 @@
     compute   = executed FLOPs / (devices x peak x MFU)   (model FLOPs + remat's recompute)
     bubble    = (p - 1) / (r m + p - 1)        (GPipe / circular pipeline idle fraction)
     comm      = sum over collectives of bytes per device / bandwidth of the link they cross
-    step time between max(compute', comm) (full overlap) and compute' + comm (none),
-              compute' = compute / (1 - bubble)
+    host      = bytes copied between host memory and the device (offload) / PCIe bandwidth
+    step time between max(compute', comm) + host (full overlap) and compute' + comm + host
+              (none), compute' = compute / (1 - bubble)
+
+Offload's copies are charged in full: the optimizer state cannot move before the gradients
+exist nor the parameters back before the update, so little of them can hide behind compute.
 
 A collective whose groups all sit inside one node is charged at the intra-node bandwidth
 (NVLink), any other at the inter-node one (InfiniBand): the ring is as slow as its slowest link.
@@ -96,6 +100,7 @@ class StepTime:
     compute: float
     bubble: float  # seconds idle in the pipeline's fill and drain
     comm: float
+    host: float = 0.0  # offload's copies between host memory and the device
 
     @property
     def busy(self) -> float:
@@ -104,12 +109,12 @@ class StepTime:
     @property
     def total(self) -> float:
         """No overlap: the upper bound."""
-        return self.busy + self.comm
+        return self.busy + self.comm + self.host
 
     @property
     def overlapped(self) -> float:
         """Full overlap of communication with compute: the lower bound."""
-        return max(self.busy, self.comm)
+        return max(self.busy, self.comm) + self.host
 
     @property
     def comm_share(self) -> float:
@@ -117,6 +122,11 @@ class StepTime:
         return self.comm / self.total if self.total else 0.0
 
 
-def step_time(compute: float, comm: float, idle_fraction: float) -> StepTime:
-    """Compute, bubble and communication seconds of one step."""
-    return StepTime(compute, compute * idle_fraction / (1 - idle_fraction), comm)
+def step_time(compute: float, comm: float, idle_fraction: float, host: float = 0.0) -> StepTime:
+    """Compute, bubble, communication and host-copy seconds of one step."""
+    return StepTime(compute, compute * idle_fraction / (1 - idle_fraction), comm, host)
+
+
+def host_seconds(moved_bytes: float, cluster: Cluster) -> float:
+    """Time of `moved_bytes` copied between a GPU and its host (both directions summed)."""
+    return moved_bytes / (cluster.host_gbps * 1e9)

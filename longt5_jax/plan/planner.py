@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # the real imports wait until the device count is set
 _CHILD = "LONGT5_PLAN_CHILD"
 
 
+WIDTH = 62  # of a candidate's label
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m longt5_jax.plan", description=__doc__.split("\n")[0]
@@ -52,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak_tflops", type=float, help="per GPU, bf16 dense (default: the target's)")
     p.add_argument("--intra_node_gbps", type=float, help="GB/s per GPU (default: NVLink's)")
     p.add_argument("--inter_node_gbps", type=float, help="GB/s per GPU (default: the NIC's)")
+    p.add_argument("--host_gbps", type=float, help="GB/s per GPU to host memory (default: PCIe's)")
+    p.add_argument(
+        "--offload",
+        nargs="+",
+        help="MeshConfig.offload settings to consider: none, optimizer, optimizer_and_params "
+        "(default: all)",
+    )
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
     p.add_argument("--compile_top", type=int, default=3, help="compile this many (0: none)")
     p.add_argument("--show", type=int, default=5, help="print this many best")
@@ -60,8 +70,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Target]:
     from longt5_jax.model import LongT5Config
+    from longt5_jax.parallel.offload import OFFLOADS
     from longt5_jax.plan import cost
 
+    args.offload = tuple(args.offload or OFFLOADS)
+    if set(args.offload) - set(OFFLOADS):
+        raise ValueError(f"--offload {' '.join(args.offload)}: expected some of {OFFLOADS}")
     if min(args.input_length, args.target_length, *args.batch_sizes) < 1:
         raise ValueError("--input_length, --target_length and --batch_sizes must be >= 1")
     if args.compile_top < 0 or args.show < 1:
@@ -76,6 +90,7 @@ def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Ta
         peak_tflops=args.peak_tflops,
         intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps,
+        host_gbps=args.host_gbps,
         mfu=args.mfu,
     )
     if target.is_gpu and args.compile_top and not targets.have_gpu_compiler():
@@ -120,13 +135,15 @@ def _compile(
     comm = cost.comm_seconds(compiled.collectives, compiled.placement, cluster)
     compute = cost.compute_seconds(cands.executed_flops(c, cfg, lengths), cluster.devices, cluster)
     idle = cost.bubble(c.pipeline, c.microbatches, c.repeats)
+    host = cost.host_seconds(compiled.host_transfers.total, cluster)
     memory = compiled.memory()
     return dict(
         estimate=estimate,
         memory=memory,
         collectives=compiled.collectives,
         placement=compiled.placement,
-        time=cost.step_time(compute, comm, idle),
+        host_transfers=compiled.host_transfers,
+        time=cost.step_time(compute, comm, idle, host),
         fits=memory.total <= cluster.memory_gib * 2**30,
     )
 
@@ -136,36 +153,40 @@ def _print_compiled(rows: list[dict], cluster: Cluster, target: targets.Target, 
 
     gib = 2**30
     print(
-        f"\n{'#':>2} {'candidate':<44} {'GiB/dev':>8} {'est':>6} {'fits':>4} {'AR GB':>6} "
-        f"{'AG GB':>6} {'RS GB':>6} {'CP GB':>6} {'A2A GB':>6} {'IB GB':>6} {'comp s':>7} "
-        f"{'bubble':>6} {'comm s':>7} {'samples/s':>9}"
+        f"\n{'#':>2} {'candidate':<{WIDTH}} {'GiB/dev':>8} {'est':>6} {'fits':>4} {'AR GB':>6} "
+        f"{'AG GB':>6} {'RS GB':>6} {'CP GB':>6} {'A2A GB':>6} {'IB GB':>6} {'PCIe GB':>7} "
+        f"{'comp s':>7} {'bubble':>6} {'comm s':>7} {'host s':>6} {'samples/s':>9}"
     )
     for i, r in enumerate(rows[:show], 1):
         moved = hlo.bytes_by(r["collectives"], r["placement"])
         kind, t = moved["kind"], r["time"]
         print(
-            f"{i:>2} {r['estimate'].candidate.label():<44} {r['memory'].total / gib:>8.2f} "
+            f"{i:>2} {r['estimate'].candidate.label():<{WIDTH}} {r['memory'].total / gib:>8.2f} "
             f"{r['estimate'].memory / gib:>6.1f} {'yes' if r['fits'] else 'NO':>4} "
             f"{kind['all-reduce'] / 1e9:>6.2f} {kind['all-gather'] / 1e9:>6.2f} "
             f"{kind['reduce-scatter'] / 1e9:>6.2f} {kind['collective-permute'] / 1e9:>6.2f} "
             f"{kind['all-to-all'] / 1e9:>6.2f} {moved['link']['ib'] / 1e9:>6.2f} "
-            f"{t.compute:>7.3f} {t.bubble:>6.3f} {t.comm:>7.3f} "
+            f"{r['host_transfers'].total / 1e9:>7.2f} "
+            f"{t.compute:>7.3f} {t.bubble:>6.3f} {t.comm:>7.3f} {t.host:>6.3f} "
             f"{r['estimate'].candidate.batch_size / t.total:>9.1f}"
         )
     whose = "the GPU buffer assignment" if target.is_gpu else "the CPU compiler's buffer assignment"
     print(
         f"GiB/dev: arguments + outputs - aliased + temporaries of the {target.name}-compiled "
         f"program ({whose}), against {cluster.memory_gib:g} GiB; est: the analytic estimate. "
-        "Collective GB per device per step (ring model); IB GB: those crossing nodes."
+        "Collective GB per device per step (ring model); IB GB: those crossing nodes; PCIe GB: "
+        f"offload's copies to and from host memory, at {cluster.host_gbps:g} GB/s."
         + ("" if target.is_gpu else " CPU spells reduce-scatter as all-reduce.")
     )
 
 
 def _print_estimates(estimates: list[Estimate], show: int) -> None:
-    print(f"\n{'#':>2} {'candidate':<44} {'est GiB/dev':>11} {'est step s':>10} {'samples/s':>9}")
+    print(
+        f"\n{'#':>2} {'candidate':<{WIDTH}} {'est GiB/dev':>11} {'est step s':>10} {'samples/s':>9}"
+    )
     for i, e in enumerate(estimates[:show], 1):
         print(
-            f"{i:>2} {e.candidate.label():<44} {e.memory / 2**30:>11.2f} "
+            f"{i:>2} {e.candidate.label():<{WIDTH}} {e.memory / 2**30:>11.2f} "
             f"{e.time.total:>10.3f} {e.samples_per_s:>9.1f}"
         )
 
@@ -178,7 +199,7 @@ def _ranked(args: argparse.Namespace, config: LongT5Config, cluster: Cluster) ->
 
     lengths = (args.input_length, args.target_length)
     found = cands.enumerate_candidates(
-        config, cluster.devices, cluster.gpus_per_node, args.batch_sizes
+        config, cluster.devices, cluster.gpus_per_node, args.batch_sizes, args.offload
     )
     shapes = ModelShapes.of(config, make_optimizer(OptimizerConfig(name=args.optimizer)))
     limit = cluster.memory_gib * 2**30
@@ -241,7 +262,7 @@ def run(args: argparse.Namespace, config, cluster, target, devices: list) -> int
     if rows and not best:
         print("\nno compiled candidate fits; the best by the analytic estimate instead:")
     print("\nbest, as gin flags:")
-    for e in (best or ranked)[: min(3, args.show)]:
+    for e in (best or fitting or ranked)[: min(3, args.show)]:
         print(f"  {e.candidate.label()}\n    {e.candidate.gin()}")
     return 0
 
@@ -258,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     from longt5_jax.plan.candidates import enumerate_candidates
 
     # Before any device exists (and before a re-run): a cluster nothing divides is bad input.
-    if not enumerate_candidates(config, cluster.devices, cluster.gpus_per_node, args.batch_sizes):
+    found = enumerate_candidates(
+        config, cluster.devices, cluster.gpus_per_node, args.batch_sizes, args.offload
+    )
+    if not found:
         print(
             f"error: no data x tensor x pipeline layout of {cluster.devices} devices divides "
             f"{args.model} (heads, MLP width, vocabulary, layers) and batch {args.batch_sizes}",
