@@ -3,6 +3,7 @@ compiler, deviceless, or on the test's 8 fake CPU devices), prints the gin flags
 them, and turns bad input into one line and exit status 2. Compile targets load and place
 devices on nodes."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -70,6 +71,7 @@ def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
          "no data x tensor x pipeline layout of 3 devices"),
         (["--attention", "sparse"], "LongT5Config.attention='sparse'"),
         (["--target", "v100"], "--target 'v100': expected cpu, one of ['a100-80gb', 'h100-80gb']"),
+        (["--offload", "disk"], "--offload disk: expected some of ('none', 'optimizer'"),
     ],
 )  # fmt: skip
 def test_plan_bad_input_is_one_line(argv, message, capsys):
@@ -146,3 +148,35 @@ def test_the_memory_fit_minimises_the_worst_relative_error():
     one = [(act(10.0, 0.0, logits=0.0), 0.0, 20.0), (act(20.0, 0.0, logits=0.0), 0.0, 44.0)]
     ((a, b),) = memory_model.fit(one).values()
     assert a == pytest.approx(2 / (1 / 2 + 1 / 2.2), rel=1e-6) and b == pytest.approx(0, abs=1e-6)
+
+
+def test_offload_is_a_candidate_dimension_with_its_memory_and_pcie_cost():
+    """Offloading moves the optimizer state (and parameters) to the host and charges two PCIe
+    crossings of those bytes per step; it never changes what the collectives move."""
+    from longt5_jax.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.plan import cost
+    from longt5_jax.plan.shapes import ModelShapes
+
+    config = LongT5Config.preset("xl", "tglobal", dtype="bfloat16")
+    found = candidates.enumerate_candidates(config, 32, 4, [128])
+    assert {c.offload for c in found} == {"none", "optimizer", "optimizer_and_params"}
+    assert "--gin.MeshConfig.offload=\"'optimizer'\"" in next(
+        c.gin() for c in found if c.offload == "optimizer"
+    )
+    shapes = ModelShapes.of(config, make_optimizer(OptimizerConfig(name="adamw")))
+    cluster = cost.Cluster(host_gbps=20.0)
+    base = candidates.Candidate(32, 1, 1, 0, 0, 1, "full", 128)
+    none, opt, both = (
+        candidates.estimate(dataclasses.replace(base, offload=m), shapes, (8192, 512), cluster)
+        for m in ("none", "optimizer", "optimizer_and_params")
+    )
+    state = {m: candidates.state_bytes(e.candidate, shapes) for m, e in
+             (("none", none), ("optimizer", opt), ("both", both))}  # fmt: skip
+    adam = state["optimizer"]["host"]
+    params = shapes.sharded_bytes(base.sizes, "params", 0)
+    assert adam == pytest.approx(2 * params)  # AdamW: two float32 moments per parameter
+    assert none.memory - opt.memory == pytest.approx(adam)
+    assert state["both"]["host"] == pytest.approx(adam + params)
+    assert opt.time.host == pytest.approx(2 * adam / 20e9) and none.time.host == 0
+    assert opt.time.comm == none.time.comm
+    assert opt.time.total == pytest.approx(none.time.total + opt.time.host)

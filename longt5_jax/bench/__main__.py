@@ -1,18 +1,29 @@
-"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, memory, pipeline, profile,
-speed, strategy.
+"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, memory, offload, pipeline,
+profile, speed, strategy.
 
 Each benchmark takes --help.
 """
 
 import sys
 
-from longt5_jax.bench import cluster, data, decode, memory, pipeline, profile, speed, strategy
+from longt5_jax.bench import (
+    cluster,
+    data,
+    decode,
+    memory,
+    offload,
+    pipeline,
+    profile,
+    speed,
+    strategy,
+)
 
 BENCHMARKS = {
     "cluster": cluster.main,
     "data": data.main,
     "decode": decode.main,
     "memory": memory.main,
+    "offload": offload.main,
     "pipeline": pipeline.main,
     "profile": profile.main,
     "speed": speed.main,
