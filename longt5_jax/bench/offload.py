@@ -67,9 +67,7 @@ def _compiled_rows(args, devices, cluster, length: int, batch: int, zeros: list[
     from longt5_jax.plan import compile_ahead, cost
 
     config = LongT5Config.preset(args.model, args.attention, dtype="bfloat16", remat=args.remat)
-    executed = flops.executed_flops_per_step(
-        config, batch, length, args.target_length, args.remat
-    )
+    executed = flops.executed_flops_per_step(config, batch, length, args.target_length, args.remat)
     compute = cost.compute_seconds(executed, cluster.devices, cluster)
     rows = []
     for zero in zeros:
@@ -194,10 +192,21 @@ def _plot(rows: list[dict], timing: list[dict], path: Path) -> None:
     mem.set_xticks(range(len(lengths)), [f"{n} ZeRO-{z}" for n, z in lengths], fontsize=8)
     mem.set_ylabel("GiB per device (hatched: in host memory)")
     mem.legend(fontsize=8)
-    if timing:
-        cpu.bar([t["offload"] for t in timing], [t["ratio"] for t in timing], color="#6baed6")
-        cpu.set_ylabel("CPU step time / without offload")
-        cpu.tick_params(axis="x", labelsize=8)
+    # Beside the CPU's measured ratio, the cost model's for the cluster at each ZeRO stage of
+    # the first input length: (step + host copies) / step.
+    first = rows[0]["input_length"]
+    series = [("CPU, measured", {t["offload"]: t["ratio"] for t in timing})] if timing else []
+    for zero in sorted({r["zero_stage"] for r in rows if r["input_length"] == first}):
+        got = [r for r in rows if r["input_length"] == first and r["zero_stage"] == zero]
+        ratio = {r["offload"]: 1 + r["host_s"] / (r["compute_s"] + r["comm_s"]) for r in got}
+        series.append((f"{first} ZeRO-{zero}, estimate", ratio))
+    step = 0.8 / max(len(series), 1)
+    for i, (label, ratio) in enumerate(series):
+        xs = [k + (i - (len(series) - 1) / 2) * step for k in range(len(MODES))]
+        cpu.bar(xs, [ratio[m] for m in MODES], step, label=label)
+    cpu.set_xticks(range(len(MODES)), MODES, fontsize=8)
+    cpu.set_ylabel("step time / without offload")
+    cpu.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
@@ -216,12 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         _, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         from longt5_jax.plan import cost
 
-        cluster = cost.Cluster.of(
-            target, args.nodes, args.gpus_per_node, host_gbps=args.host_gbps
-        )
-        rows = _compiled_rows(
-            args, devices, cluster, args.input_length, args.batch_size, args.zero
-        )
+        cluster = cost.Cluster.of(target, args.nodes, args.gpus_per_node, host_gbps=args.host_gbps)
+        rows = _compiled_rows(args, devices, cluster, args.input_length, args.batch_size, args.zero)
         if args.fit_length:
             rows += _compiled_rows(
                 args, devices, cluster, args.fit_length, args.fit_batch, args.fit_zero
