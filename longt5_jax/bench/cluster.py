@@ -15,11 +15,11 @@ reader sees which of the paper's numbers are possible. Every assumption is a fla
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
 # name -> (tensor, pipeline, ZeRO stage); data takes the remaining devices.
@@ -198,10 +198,7 @@ def _print(rows: list[dict], cluster) -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib  # imported here: only the plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{r['strategy']}\n{r['model']}@{r['input_length']}" for r in rows]
     x = range(len(rows))
@@ -224,9 +221,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     bottom.set_ylabel("memory, % of device")
     bottom.set_xticks(list(x), labels, rotation=60, fontsize=7)
     bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,10 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     _print(results, cluster)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     report = {"config": config, "cluster": cluster.describe(), "rows": results}
-    (out / "cluster.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'cluster.json'}")
+    write_json(out, "cluster", report)
     _plot(results, out / "cluster.png")
     return 0

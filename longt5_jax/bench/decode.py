@@ -8,7 +8,6 @@ token for token), so they do the same work; runs alternate so that drift hits bo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 
 from longt5_jax.bench import torch_reference
+from longt5_jax.bench.report import write_json
 from longt5_jax.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config
 
@@ -146,14 +146,12 @@ def main(argv: list[str]) -> int:
         rows.append(row)
         print(line, flush=True)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "device": str(jax.devices()[0]),
         "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "rows": rows,
     }
-    (out / "decode.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'decode.json'}")
+    write_json(out, "decode", report)
     return 0
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
 # model:input_length:batch -> candidates "data,tensor,pipeline,zero,microbatches,repeats,remat"
@@ -144,10 +144,7 @@ def _estimate(row: dict, calibration: dict) -> float:
 
 
 def _plot(rows: list[dict], calibrations: dict[str, dict], path: Path) -> None:
-    import matplotlib  # imported here: only the plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 6))
     top = max(r["compiled"] for r in rows) / 2**30
@@ -165,9 +162,7 @@ def _plot(rows: list[dict], calibrations: dict[str, dict], path: Path) -> None:
     ax.set_xlabel("compiled GiB per device")
     ax.set_ylabel("estimated GiB per device")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
         print("refit: " + ", ".join(f"{k}: ({a:.2f}, {b:.1f})" for k, (a, b) in fitted.items()))
     _table(rows, calibrations)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "calibrations": calibrations,
@@ -201,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
     }
-    (out / "memory.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'memory.json'}")
+    write_json(out, "memory", report)
     _plot(rows, calibrations, out / "memory.png")
     return 0

@@ -15,12 +15,12 @@ run without offload is the measured cost.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
 MODES = ("none", "optimizer", "optimizer_and_params")
@@ -166,10 +166,7 @@ def _cpu_timing(args, devices) -> list[dict]:
 
 
 def _plot(rows: list[dict], timing: list[dict], path: Path) -> None:
-    import matplotlib  # imported here: only the plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (mem, cpu) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=[2, 1])
     width = 0.8 / len(MODES)
@@ -207,9 +204,7 @@ def _plot(rows: list[dict], timing: list[dict], path: Path) -> None:
     cpu.set_xticks(range(len(MODES)), MODES, fontsize=8)
     cpu.set_ylabel("step time / without offload")
     cpu.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,10 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             f"median step {t['median_s']:.3f} s  x{t['ratio']:.2f}"
         )
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     report = {"config": config, "cluster": cluster.describe(), "rows": rows, "cpu": timing}
-    (out / "offload.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'offload.json'}")
+    write_json(out, "offload", report)
     _plot(rows, timing, out / "offload.png")
     return 0

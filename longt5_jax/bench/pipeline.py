@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import jax
 import numpy as np
 import optax
 
+from longt5_jax.bench.report import write_json
 from longt5_jax.data import batching
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
@@ -147,13 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "device": str(jax.devices()[0]),
         "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "reference": {"plan": "data 8", "step_s": reference.seconds, **reference.memory},
         "rows": rows,
     }
-    (out / "pipeline.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'pipeline.json'}")
+    write_json(out, "pipeline", report)
     return 0

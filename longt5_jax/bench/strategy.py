@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 
 from longt5_jax import flops
 from longt5_jax.bench.pipeline import random_batch
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, check_fits
 from longt5_jax.plan import compile_ahead as aot
@@ -148,10 +148,7 @@ def _print_table(rows: list[dict], target: str) -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib  # imported here: it takes a second, and only the plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r["strategy"] for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
@@ -165,9 +162,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.bar(names, values)
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -256,14 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     _print_table(rows, args.target)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "device": str(jax.devices()[0]),
         "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
         "model_flops_per_step": model_flops,
         "rows": rows,
     }
-    (out / "strategy.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'strategy.json'}")
+    write_json(out, "strategy", report)
     _plot(rows, out / "strategy.png")
     return 0

@@ -1,0 +1,34 @@
+"""What every benchmark writes: its report as JSON and its figure as PNG, each announced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_json(out_dir: str | Path, name: str, report: Any) -> Path:
+    """`report` as OUT_DIR/NAME.json (the directory made if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot without a screen; imported here: it takes a second, and only the
+    figures need it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
