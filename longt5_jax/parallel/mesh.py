@@ -6,15 +6,18 @@ import dataclasses
 import os
 import re
 import warnings
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from longt5_jax.parallel.offload import OFFLOADS, Offload
 from longt5_jax.parallel.pipeline import Pipeline
 
 AXES = ("data", "tensor", "pipeline")
+# What ZeRO-Offload keeps in host memory between steps (parallel/offload.py).
+Offload = Literal["none", "optimizer", "optimizer_and_params"]
+OFFLOADS = ("none", "optimizer", "optimizer_and_params")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,15 @@ class MeshConfig:
                 f"does not match {num_devices} devices"
             )
         return data, self.tensor, self.pipeline
+
+
+def compile_only(device: Any) -> bool:
+    """Whether `device` is a compile-only device (a deviceless target's), not this process's:
+    it compiles programs but holds no memory."""
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend of that platform here
+        return True
 
 
 def devices_per_node(devices: list) -> int:

@@ -12,27 +12,19 @@ asynchronous copies the scheduler overlaps with compute; on the GPU they cross P
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
-Offload = Literal["none", "optimizer", "optimizer_and_params"]
-OFFLOADS = ("none", "optimizer", "optimizer_and_params")
+from longt5_jax.parallel.mesh import OFFLOADS, Offload, compile_only
+
+__all__ = ["OFFLOADS", "NoHostMemory", "StateMemory", "check_host_memory", "in_memory"]
 HOST = "pinned_host"
 
 
 class NoHostMemory(ValueError):
     """The devices cannot hold arrays in host memory."""
-
-
-def compile_only(device: Any) -> bool:
-    """Whether `device` is a compile-only device (a deviceless target's), not this process's:
-    it compiles programs but holds no memory."""
-    try:
-        return device not in jax.devices(device.platform)
-    except RuntimeError:  # no backend of that platform here
-        return True
 
 
 def check_host_memory(device: Any) -> None:
@@ -76,29 +68,25 @@ class StateMemory:
     def opt_offloaded(self) -> bool:
         return self.offload != "none"
 
-    def _home(self, shardings: Any, offloaded: bool) -> Any:
-        if not offloaded:
-            return shardings
-        return jax.tree.map(lambda s: in_memory(s, HOST), shardings)
+    @staticmethod
+    def _in(shardings: Any, kind: str) -> Any:
+        return jax.tree.map(lambda s: in_memory(s, kind), shardings)
 
     @property
     def params_home(self) -> Any:
         """The parameters' shardings between steps."""
-        return self._home(self.params, self.params_offloaded)
+        return self._in(self.params, HOST) if self.params_offloaded else self.params
 
     @property
     def opt_home(self) -> Any:
         """The optimizer state's shardings between steps."""
-        return self._home(self.opt_state, self.opt_offloaded)
-
-    def _to_device(self, tree: Any, shardings: Any, offloaded: bool) -> Any:
-        if not offloaded:
-            return tree
-        return jax.device_put(tree, jax.tree.map(lambda s: in_memory(s, "device"), shardings))
+        return self._in(self.opt_state, HOST) if self.opt_offloaded else self.opt_state
 
     def params_in(self, params: Any) -> Any:
         """The parameters on the device, for the gradients and the update."""
-        return self._to_device(params, self.params, self.params_offloaded)
+        if not self.params_offloaded:
+            return params
+        return jax.device_put(params, self._in(self.params, "device"))
 
     def opt_in(self, opt_state: Any, after: Any) -> tuple[Any, Any]:
         """The optimizer state on the device, moved once `after` (the gradients) is computed;
@@ -106,15 +94,11 @@ class StateMemory:
         if not self.opt_offloaded:
             return opt_state, after
         after, opt_state = jax.lax.optimization_barrier((after, opt_state))
-        return self._to_device(opt_state, self.opt_state, True), after
+        return jax.device_put(opt_state, self._in(self.opt_state, "device")), after
 
     def params_out(self, params: Any) -> Any:
         """Updated parameters back where they live between steps."""
-        if not self.params_offloaded:
-            return params
-        return jax.device_put(params, self.params_home)
+        return jax.device_put(params, self.params_home) if self.params_offloaded else params
 
     def opt_out(self, opt_state: Any) -> Any:
-        if not self.opt_offloaded:
-            return opt_state
-        return jax.device_put(opt_state, self.opt_home)
+        return jax.device_put(opt_state, self.opt_home) if self.opt_offloaded else opt_state

@@ -18,8 +18,7 @@ import itertools
 from longt5_jax import flops
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.parallel.mesh import MeshConfig
-from longt5_jax.parallel.offload import OFFLOADS
+from longt5_jax.parallel.mesh import OFFLOADS, MeshConfig
 from longt5_jax.plan import comm_model, cost, memory_model
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.step import StepConfig
@@ -147,12 +146,12 @@ def state_bytes(c: Candidate, shapes: ModelShapes) -> dict[str, float]:
         grads += shapes.sharded_bytes(sizes, "grads", zero, stacked_only=True)
         stage = shapes.sharded_bytes(sizes, "params", 0, stacked_only=True)
         grads += (c.repeats - 1) * (c.pipeline - 1) * stage / c.repeats
-    host = 0.0 if c.offload == "none" else opt
+    if c.offload == "none":
+        return {"device": params + opt + grads, "host": 0.0}
     # Offloaded parameters still come to the device for the step's forward and backward
     # passes: counted there too (an upper bound: XLA frees some of them early).
-    host += params if c.offload == "optimizer_and_params" else 0.0
-    device_opt = 0.0 if c.offload != "none" else opt
-    return {"device": params + device_opt + grads, "host": host}
+    host = opt + (params if c.offload == "optimizer_and_params" else 0.0)
+    return {"device": params + grads, "host": host}
 
 
 def static_bytes(c: Candidate, shapes: ModelShapes) -> float:

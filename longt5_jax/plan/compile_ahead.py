@@ -22,8 +22,7 @@ import optax
 
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh, node_of
-from longt5_jax.parallel.offload import compile_only
+from longt5_jax.parallel.mesh import MeshConfig, compile_only, make_mesh, node_of
 from longt5_jax.plan import cost, hlo, hlo_module, roofline
 from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState
 

@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Target]:
     from longt5_jax.model import LongT5Config
-    from longt5_jax.parallel.offload import OFFLOADS
+    from longt5_jax.parallel.mesh import OFFLOADS
     from longt5_jax.plan import cost
 
     args.offload = tuple(args.offload or OFFLOADS)
