@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a run: train state, the data iterator's position and the gin config.
+"""Orbax checkpoints of a run: train state, the data stream's position and the gin config.
 
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
 complete, so an interrupted save is never taken for a checkpoint); the run resumes from the
@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -73,7 +72,8 @@ class Checkpoints:
         """
         items = {
             "state": ocp.args.StandardSave(state),
-            "data": grain.checkpoint.CheckpointSave(data_iterator),
+            # Where the data stream stands, in global terms (every process takes part).
+            "data": ocp.args.JsonSave(data_iterator.state()),
             "config": ocp.args.JsonSave(config),
         }
         if self.tokenizer["sentencepiece_model"]:
@@ -94,47 +94,26 @@ class Checkpoints:
         if not any(p.startswith("opt_state/") for p in saved):
             hint = "; it holds parameters only: start from it with CheckpointConfig.init_from"
         check_tree(where, saved, abstract_state, hint)
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
-        mine = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        if (where / "data" / mine).exists():
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        else:
-            data_iterator.set_state(_moved_data_state(where / "data"))
+        if not (where / "data" / "metadata").exists():
+            raise CheckpointError(
+                f"{where}: no data position in global terms (a checkpoint of an earlier "
+                "version); start from it with CheckpointConfig.init_from"
+            )
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax passes on tensorstore's read errors as bare Exceptions
             raise CheckpointError(f"{where}: {unreadable(e)}") from None
+        try:
+            data_iterator.restore(restored["data"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{where / 'data'}: {e}") from None
         return restored["state"]
 
     def close(self) -> None:
         """Wait for the last save to be complete on disk."""
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def _moved_data_state(data_dir: Path) -> dict:
-    """This process's data iterator state from one saved by another number of processes.
-
-    Process i of n reads examples i, i + n, ... of the epoch's order, a batch at a time, so
-    after k steps every process is at index k * batch / n: the position moves to another n
-    as examples consumed (the same global batches follow). A packed stream's state is the
-    packer's own and cannot move.
-    """
-    files = sorted(data_dir.glob("process_*-of-*.json"))
-    states = [json.loads(f.read_text()) for f in files]
-    saved_by = int(files[0].stem.rsplit("-of-", 1)[1]) if files else 0
-    count = jax.process_count()
-    consumed = states[0]["next_index"] * saved_by if states and "next_index" in states[0] else -1
-    if (
-        not states
-        or any(set(s) != {"next_index"} or s != states[0] for s in states)
-        or consumed % count
-    ):
-        raise CheckpointError(
-            f"{data_dir}: a data position saved by {saved_by} processes cannot move to {count} "
-            "(packed or uneven streams); resume on the same number of processes"
-        )
-    return {"next_index": consumed // count}
 
 
 def abstract_like(state: Any) -> Any:

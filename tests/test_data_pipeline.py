@@ -98,32 +98,70 @@ def test_packing_loses_no_token_and_marks_segments(tokenizer, objective):
         assert ((weights > 0) == (batch["decoder_segment_ids"] > 0)).all()
 
 
-def test_processes_see_disjoint_examples_covering_the_epoch(tokenizer):
-    cfg = dataclasses.replace(SMALL, num_epochs=1, batch_size=2)
-    shares = [_examples(make_dataset(cfg, tokenizer, "val", i, 2), 10**6) for i in range(2)]
-    everything = _examples(
-        make_dataset(dataclasses.replace(cfg, batch_size=1), tokenizer, "val", 0, 1), 10**6
-    )
-    assert not set(shares[0]) & set(shares[1])
-    assert len(shares[0]) == len(shares[1])
-    n = len(open_split(cfg, "val"))
-    assert len(shares[0]) + len(shares[1]) == n - n % 2
-    assert set(shares[0]) | set(shares[1]) <= set(everything)
+def _global_batches(cfg, tokenizer, count, steps, state=None):
+    """`steps` global batches as `count` processes feed them (blocks of rows in process order),
+    and the state they leave, in global terms."""
+    streams = [make_dataset(cfg, tokenizer, "train", i, count) for i in range(count)]
+    if state is not None:
+        for s in streams:
+            s.restore(state)
+    batches = [
+        {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+        for blocks in ([next(s) for s in streams] for _ in range(steps))
+    ]
+    position = [x for s in streams for x in s.position()]
+    return batches, {"batch_size": cfg.batch_size, "next": position}
 
 
-@pytest.mark.parametrize("pack,workers", [(False, 0), (True, 0), (True, 2)])
-def test_iterator_state_resumes_exactly(tokenizer, pack, workers):
-    cfg = dataclasses.replace(SMALL, pack=pack, objective="span_corruption", worker_count=workers)
-    it = iter(make_dataset(cfg, tokenizer, "train", 0, 1))
-    for _ in range(3):
-        next(it)
-    state = json.loads(json.dumps(it.get_state()))  # survives a round trip through a file
-    want = [next(it) for _ in range(4)]
-    fresh = iter(make_dataset(cfg, tokenizer, "train", 0, 1))
-    fresh.set_state(state)
-    for a, b in zip(want, [next(fresh) for _ in range(4)], strict=True):
+def _assert_same(want, got):
+    assert len(want) == len(got)
+    for a, b in zip(want, got, strict=True):
         for k in a:
-            np.testing.assert_array_equal(a[k], b[k])
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("objective", ["summarization", "span_corruption", "gap_sentences"])
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_position_saved_by_two_processes_resumes_on_one_and_four(tokenizer, objective, pack):
+    cfg = dataclasses.replace(SMALL, objective=objective, pack=pack, batch_size=8)
+    uninterrupted, _ = _global_batches(cfg, tokenizer, 1, 5)
+    head, state = _global_batches(cfg, tokenizer, 2, 2)
+    _assert_same(uninterrupted[:2], head)
+    state = json.loads(json.dumps(state))  # survives a round trip through a file
+    for count in (1, 2, 4):
+        tail, _ = _global_batches(cfg, tokenizer, count, 3, state)
+        _assert_same(uninterrupted[2:], tail)
+
+
+@pytest.mark.parametrize("pack,workers", [(False, 2), (True, 3)])
+def test_worker_processes_change_nothing_and_resume_exactly(tokenizer, pack, workers):
+    cfg = dataclasses.replace(SMALL, pack=pack, objective="span_corruption", batch_size=8)
+    want, _ = _global_batches(cfg, tokenizer, 1, 6)
+    with_workers = dataclasses.replace(cfg, worker_count=workers)
+    it = make_dataset(with_workers, tokenizer, "train", 0, 1)
+    head = [next(it) for _ in range(3)]
+    state = it.state()
+    it.close()
+    fresh = make_dataset(with_workers, tokenizer, "train", 0, 1)
+    fresh.restore(state)
+    _assert_same(want, head + [next(fresh) for _ in range(3)])
+    fresh.close()
+
+
+def test_rows_read_every_example_of_an_epoch_once(tokenizer):
+    cfg = dataclasses.replace(SMALL, num_epochs=1, batch_size=4)
+    n = len(open_split(cfg, "val"))
+    seen = _examples(make_dataset(cfg, tokenizer, "val", 0, 1), 10**6)
+    shares = [_examples(make_dataset(cfg, tokenizer, "val", i, 2), 10**6) for i in range(2)]
+    assert len(seen) == n and len(set(seen)) == len(set(shares[0]) | set(shares[1]))
+    assert sorted(shares[0] + shares[1]) == sorted(seen)
+    assert not set(shares[0]) & set(shares[1])
+
+
+def test_a_position_for_another_batch_size_is_refused(tokenizer):
+    it = make_dataset(SMALL, tokenizer, "train", 0, 1)
+    with pytest.raises(ValueError, match="batch_size=8; this run has batch_size=4"):
+        it.restore({"batch_size": 8, "next": [0] * 8})
 
 
 def test_epochs_are_reshuffled_and_complete(tokenizer):
@@ -132,17 +170,6 @@ def test_epochs_are_reshuffled_and_complete(tokenizer):
     seen = _examples(make_dataset(cfg, tokenizer, "val", 0, 1), 2 * n)
     first, second = seen[:n], seen[n:]
     assert sorted(first) == sorted(second) and first != second
-
-
-def test_worker_processes_read_the_same_epoch_deterministically(tokenizer):
-    """Workers each batch their own share of the source, so rows are grouped differently, but an
-    epoch holds the same examples and two runs give the same batches."""
-    cfg = dataclasses.replace(SMALL, num_epochs=1)
-    want = _examples(make_dataset(cfg, tokenizer, "val", 0, 1), 10**6)
-    with_workers = dataclasses.replace(cfg, worker_count=2)
-    got = _examples(make_dataset(with_workers, tokenizer, "val", 0, 1), 10**6)
-    assert sorted(got) == sorted(want)
-    assert _examples(make_dataset(with_workers, tokenizer, "val", 0, 1), 10**6) == got
 
 
 def test_global_batch_lays_rows_over_the_data_axis(tokenizer):

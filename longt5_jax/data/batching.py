@@ -34,17 +34,36 @@ def _pad(x: np.ndarray, length: int) -> np.ndarray:
     return np.pad(x, (0, length - len(x)))
 
 
+ROW_KEYS = (
+    "inputs",
+    "inputs_segment_ids",
+    "inputs_positions",
+    "targets",
+    "targets_segment_ids",
+    "targets_positions",
+)
+
+
+def packed_row(examples: list[Example], input_length: int, target_length: int) -> Example:
+    """Examples one after another in one row, segment i + 1 each, positions restarting at 0
+    for each; then padding (segment 0). No examples give a row of padding."""
+    row = {}
+    for side, length in (("inputs", input_length), ("targets", target_length)):
+        parts = [np.asarray(e[side], np.int32) for e in examples]
+        sizes = [len(x) for x in parts]
+        if sum(sizes) > length:
+            raise ValueError(f"{sum(sizes)} {side} tokens do not fit a row of {length}")
+        row[side] = _pad(np.concatenate([np.zeros(0, np.int32), *parts]), length)
+        segments = np.repeat(np.arange(1, len(parts) + 1, dtype=np.int32), sizes)
+        row[f"{side}_segment_ids"] = _pad(segments, length)
+        positions = [np.arange(n, dtype=np.int32) for n in sizes]
+        row[f"{side}_positions"] = _pad(np.concatenate([np.zeros(0, np.int32), *positions]), length)
+    return row
+
+
 def padded_example(example: Example, input_length: int, target_length: int) -> Example:
     """One example in one row: a single segment followed by padding."""
-    inputs, targets = example["inputs"], example["targets"]
-    return {
-        "inputs": _pad(inputs, input_length),
-        "inputs_segment_ids": _pad(np.ones_like(inputs), input_length),
-        "inputs_positions": _pad(np.arange(len(inputs), dtype=np.int32), input_length),
-        "targets": _pad(targets, target_length),
-        "targets_segment_ids": _pad(np.ones_like(targets), target_length),
-        "targets_positions": _pad(np.arange(len(targets), dtype=np.int32), target_length),
-    }
+    return packed_row([example], input_length, target_length)
 
 
 def shift_right(targets: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
@@ -57,7 +76,7 @@ def shift_right(targets: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
 
 
 def to_features(rows: Example) -> Example:
-    """Batched rows (from `padded_example` or grain's packer) -> the eight T5X features."""
+    """Batched rows (from `packed_row`) -> the eight T5X features."""
     dec_seg = rows["targets_segment_ids"].astype(np.int32)
     return {
         "encoder_input_tokens": rows["inputs"].astype(np.int32),

@@ -1,8 +1,5 @@
-"""The grain input pipeline: source -> shuffle -> per-process shard -> tokenize + objective ->
-pad or pack -> batch -> (worker processes) -> global jax.Arrays.
-
-Each process reads only its slice of every (reshuffled) epoch; the iterator's state is a small
-dict that restores exactly the same following batches in a fresh pipeline.
+"""The input pipeline: source -> shuffle -> tokenize + objective (one global sequence of
+examples) -> this process's rows, padded or packed (data/stream.py) -> global jax.Arrays.
 """
 
 from __future__ import annotations
@@ -13,9 +10,9 @@ from typing import Any, Literal
 import grain
 import jax
 import numpy as np
-from absl import flags
 
 from longt5_jax.data import batching, objectives
+from longt5_jax.data.stream import GlobalRows
 from longt5_jax.data.tokenizer import Tokenizer, train_tokenizer
 
 Objective = Literal["summarization", "span_corruption", "gap_sentences"]
@@ -144,12 +141,17 @@ class Preprocess(grain.transforms.RandomMap):
         return out
 
 
-class _Pad(grain.transforms.Map):
-    def __init__(self, cfg: DataConfig):
-        self.lengths = (cfg.input_length, cfg.target_length)
+def examples(cfg: DataConfig, tokenizer: Tokenizer, split: str = "train") -> grain.MapDataset:
+    """The run's one sequence of examples: example g is a function of g (and the seed) only.
 
-    def map(self, example):
-        return batching.padded_example(example, *self.lengths)
+    Epoch e is the source reshuffled with seed + e; every random draw of an objective comes
+    from a generator keyed by g, which counts on through the epochs.
+    """
+    ds = grain.MapDataset.source(open_split(cfg, split))
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.random_map(Preprocess(cfg, tokenizer), seed=cfg.seed)
+    return ds if cfg.num_epochs == 1 else ds.repeat(cfg.num_epochs)
 
 
 def make_dataset(
@@ -158,50 +160,25 @@ def make_dataset(
     split: str = "train",
     process_index: int | None = None,
     process_count: int | None = None,
-) -> grain.IterDataset:
-    """Batches of this process's share: `batch_size / process_count` rows of T5X features."""
+) -> GlobalRows:
+    """Batches of this process's block of rows: `batch_size / process_count` rows of T5X
+    features (data/stream.py: what fills each global row, and how a position moves)."""
     index = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
     if cfg.batch_size % count:
         raise ValueError(
             f"DataConfig.batch_size={cfg.batch_size} does not divide over {count} processes"
         )
-    source = open_split(cfg, split)
-    ds = grain.MapDataset.source(source)
-    if cfg.shuffle:
-        ds = ds.shuffle(seed=cfg.seed)
-    # Equal shares: drop the (< count) examples left over, a different few each epoch.
-    ds = ds[: len(ds) - len(ds) % count][index::count]
-    if len(ds) == 0:
-        raise ValueError(
-            f"split {split!r} has {len(source)} examples: none for process {index} of {count}"
-        )
-    ds = ds.random_map(Preprocess(cfg, tokenizer), seed=cfg.seed)
-    if cfg.num_epochs != 1:
-        ds = ds.repeat(cfg.num_epochs)  # reshuffles every epoch
-    it = ds.to_iter_dataset()
-    rows = cfg.batch_size // count
-    if cfg.pack:
-        it = grain.experimental.FirstFitPackIterDataset(
-            it,
-            length_struct={"inputs": cfg.input_length, "targets": cfg.target_length},
-            num_packing_bins=rows,
-            seed=cfg.seed,
-            shuffle_bins=False,
-        )
-    else:
-        it = it.map(_Pad(cfg))
-    it = it.batch(rows, drop_remainder=cfg.num_epochs is None).map(batching.to_features)
-    if cfg.worker_count > 0:
-        # grain's workers read absl flags; outside an absl app nobody has parsed them.
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        it = it.mp_prefetch(
-            grain.multiprocessing.MultiprocessingOptions(
-                num_workers=cfg.worker_count, per_worker_buffer_size=cfg.worker_buffer_size
-            )
-        )
-    return it
+    return GlobalRows(
+        examples(cfg, tokenizer, split),
+        cfg.batch_size,
+        (cfg.input_length, cfg.target_length),
+        cfg.pack,
+        index,
+        count,
+        cfg.worker_count,
+        cfg.worker_buffer_size,
+    )
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, Any]:
