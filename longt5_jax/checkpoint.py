@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,10 @@ class CheckpointConfig:
 
 class CheckpointError(ValueError):
     """A path that is not a usable checkpoint, in one line."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read (truncated, corrupt): an older one may serve."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +109,53 @@ class Checkpoints:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax passes on tensorstore's read errors as bare Exceptions
-            raise CheckpointError(f"{where}: {unreadable(e)}") from None
+            raise DamagedCheckpoint(f"{where}: {unreadable(e)}") from None
         try:
             data_iterator.restore(restored["data"])
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{where / 'data'}: {e}") from None
         return restored["state"]
+
+    def resume(self, abstract_state: Any, data_iterator: Any) -> tuple[int, Any]:
+        """(step, state) of the newest readable checkpoint, or (0, None) where there is none.
+
+        Damaged newer ones are set aside as STEP.unreadable, their files untouched, each with
+        a one-line warning; where none is readable, nothing moves and one line says why.
+        Every process agrees on each outcome.
+        """
+        quiet_failed_reads()
+        damaged = {}
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                error, state = None, self.restore(step, abstract_state, data_iterator)
+            except DamagedCheckpoint as e:
+                error, state = str(e), None
+            if _everywhere(error is None):
+                for bad, why in damaged.items():
+                    self._set_aside(bad)
+                    if jax.process_index() == 0:
+                        print(
+                            f"warning: checkpoint {why}; resuming from step {step}", file=sys.stderr
+                        )
+                return step, state
+            damaged[step] = error or f"{step}: unreadable on another process"
+        if damaged:
+            raise CheckpointError(f"no readable checkpoint: {' | '.join(damaged.values())}")
+        return 0, None
+
+    def _set_aside(self, step: int) -> None:
+        """Rename a damaged step directory so that no save or clean-up ever touches it."""
+        where = Path(self.manager.directory) / str(step)
+        if jax.process_index() == 0:
+            aside, k = where.with_name(f"{step}{UNREADABLE}"), 1
+            while aside.exists():  # set aside at this step before
+                aside, k = where.with_name(f"{step}.{k}{UNREADABLE}"), k + 1
+            where.rename(aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+        self.manager.reload()
 
     def close(self) -> None:
         """Wait for the last save to be complete on disk."""
@@ -123,19 +170,57 @@ def abstract_like(state: Any) -> Any:
     )
 
 
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.asarray(ok)).all())
+
+
 def unreadable(e: Exception) -> str:
+    """One line for a read error: tensorstore's own reason (it names the array), not orbax's."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"unreadable: truncated or corrupt ({first[:300]})"
+
+
+def quiet_failed_reads() -> None:
+    """Keep a failed read to its one line: after the first read error orbax abandons its other
+    reads, and each (or tensorstore's call back into the closed event loop) would print a
+    traceback when collected."""
+    if getattr(sys.unraisablehook, "quiet_failed_reads", False):
+        return
+    previous = sys.unraisablehook
+    abandoned = ("Event loop is closed", "Encountered error while reading array")
+
+    def hook(u):
+        if not any(text in str(u.exc_value) for text in abandoned):
+            previous(u)
+
+    hook.quiet_failed_reads = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(
+        lambda r: "exception was never retrieved" not in r.getMessage()
+    )
 
 
 # --- Reading checkpoints from disk: the tools and `init_from` share these. ---------------------
 
 
 _TMP = "orbax-checkpoint-tmp"  # in the name of a save in progress, until orbax commits it
+UNREADABLE = ".unreadable"  # the suffix of a damaged checkpoint set aside by a resuming run
 
 
 def is_complete(step_dir: Path) -> bool:
-    return _TMP not in step_dir.name and (step_dir / "state").is_dir()
+    return (
+        _TMP not in step_dir.name
+        and not step_dir.name.endswith(UNREADABLE)
+        and (step_dir / "state").is_dir()
+    )
 
 
 def step_of(step_dir: Path) -> int | None:
@@ -194,7 +279,7 @@ def saved_tree(step_dir: Path, item: str = "state") -> Any:
     try:  # the handler itself: orbax's Checkpointer.metadata turns read errors into None
         tree = ocp.PyTreeCheckpointHandler().metadata(step_dir / item)
     except (ValueError, TypeError, KeyError, OSError) as e:
-        raise CheckpointError(f"{step_dir / item}: metadata {unreadable(e)}") from None
+        raise DamagedCheckpoint(f"{step_dir / item}: metadata {unreadable(e)}") from None
     return getattr(tree, "tree", tree)
 
 
@@ -215,7 +300,7 @@ def _check_store(item_dir: Path) -> None:
             if key.endswith(b"/.zarray"):
                 json.loads(store.read(key).result().value)
     except (ValueError, OSError) as e:
-        raise CheckpointError(f"{item_dir}: metadata {unreadable(e)}") from None
+        raise DamagedCheckpoint(f"{item_dir}: metadata {unreadable(e)}") from None
 
 
 def array_infos(step_dir: Path, item: str = "state", tree: Any = None) -> dict[str, ArrayInfo]:

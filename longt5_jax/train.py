@@ -82,9 +82,9 @@ def train(cfg: dict) -> dict:
     batches = iter(make_dataset(data_cfg, tokenizer, "train"))
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
-        start = checkpoints.latest_step() or 0
+        start, restored = checkpoints.resume(abstract_like(state), batches)
         if start:
-            state = checkpoints.restore(start, abstract_like(state), batches)
+            state = restored
             note = f"resumed from step {start} in {model_dir / 'checkpoints'}"
         elif cfg["ckpt"].init_from:
             source = resolve(cfg["ckpt"].init_from)

@@ -15,7 +15,7 @@ def _parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m longt5_jax.ckpt", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
     helps = {
-        "ls": "steps, sizes, times and completeness of MODEL_DIR's checkpoints",
+        "ls": "steps, sizes, times and state (complete, incomplete, unreadable) of checkpoints",
         "tree": "parameter paths, shapes, dtypes and saved sharding (metadata only)",
         "stats": "per-array norm, min, max and NaN/Inf counts",
         "diff": "per-array max absolute/relative difference; missing and extra paths",
@@ -95,7 +95,7 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def _text(command: str, result) -> str:
     if command == "ls":
-        return _table(result, ["step", "complete", "bytes", "time", "path"])
+        return _table(result, ["step", "state", "bytes", "time", "path"])
     if command == "tree":
         return _table(result, ["path", "shape", "dtype", "sharding"])
     if command == "stats":

@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from longt5_jax.checkpoint import (
+    UNREADABLE,
     CheckpointError,
     array_infos,
     is_complete,
@@ -35,7 +36,8 @@ def _size(path: Path) -> int:
 
 
 def ls(model_dir: str | Path) -> list[dict]:
-    """Every step directory with its size, time and whether it is complete."""
+    """Every step directory with its size, time and state: complete, incomplete (a save that
+    did not finish) or unreadable (set aside by a run that could not read it)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a directory (expected a MODEL_DIR)")
@@ -47,6 +49,12 @@ def ls(model_dir: str | Path) -> list[dict]:
             "step": step_of(d),
             "path": str(d),
             "complete": is_complete(d),
+            # A run that found it damaged set it aside under this name and resumed before it.
+            "state": "complete"
+            if is_complete(d)
+            else "unreadable"
+            if d.name.endswith(UNREADABLE)
+            else "incomplete",
             "bytes": _size(d),
             "time": datetime.datetime.fromtimestamp(d.stat().st_mtime).isoformat(" ", "seconds"),
             "items": sorted(p.name for p in d.iterdir() if p.is_dir()),
