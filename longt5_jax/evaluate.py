@@ -57,6 +57,7 @@ def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
     from tqdm import tqdm
 
     from longt5_jax import evaluation, inference
+    from longt5_jax.atomic import write_atomic
     from longt5_jax.checkpoint import step_of
 
     data, split = cfg["data"], args.split or cfg["eval"].split
@@ -90,10 +91,10 @@ def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
     }
     if jax.process_index() == 0:
         out = Path(args.output_dir or _model_dir(step_dir) / "eval" / f"step_{step}")
-        evaluation.write_atomic(
+        write_atomic(
             out / f"{split}_predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records)
         )
-        evaluation.write_atomic(out / f"{split}_metrics.json", json.dumps(metrics, indent=2) + "\n")
+        write_atomic(out / f"{split}_metrics.json", json.dumps(metrics, indent=2) + "\n")
         metrics["output_dir"] = str(out)
     return metrics
 

@@ -8,10 +8,7 @@ so all processes see every prediction (process 0 writes them).
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -128,15 +125,6 @@ def rouge_of(
         for e, text in zip(examples, texts, strict=True)
     ]
     return rouge([e.reference for e in examples], texts), records
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Whole or not at all: an interrupted run never leaves half a file in place of a good one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax
 
+from longt5_jax.atomic import write_atomic
+
 
 class MetricsWriter:
     """Writes each logged step; tokens/s and ETA come from wall time between calls."""
@@ -39,13 +41,8 @@ class MetricsWriter:
 
             Path(model_dir).mkdir(parents=True, exist_ok=True)
             path = Path(model_dir) / "metrics.jsonl"
-            # A resumed run repeats the steps after its checkpoint: drop their earlier rows.
-            kept = [
-                line
-                for line in (path.read_text().splitlines() if path.exists() else [])
-                if json.loads(line)["step"] <= resume_step
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = _rows_until(path, resume_step)
+            write_atomic(path, "".join(line + "\n" for line in kept))
             self._jsonl = path.open("a")
             self._tb = SummaryWriter(str(Path(model_dir) / "tensorboard"))
 
@@ -152,6 +149,20 @@ def peak_flops(devices: list, per_device_override: float = 0.0) -> float:
         return per_device_override * len(devices)
     kind = getattr(devices[0], "device_kind", "")
     return next((v * len(devices) for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
+
+
+def _rows_until(path: Path, step: int) -> list[str]:
+    """The rows of metrics.jsonl up to `step`: a resumed run repeats the steps after its
+    checkpoint. A row a kill cut short (only ever the last) is not JSON and goes too."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row["step"] <= step:
+            kept.append(line)
+    return kept
 
 
 class StepProfiler:

@@ -46,8 +46,13 @@ def test_training_logs_eval_loss_and_rouge(run):
 
 def test_evaluate_writes_predictions_and_metrics_equal_to_the_periodic_eval(run, capsys):
     argv = [f"--gin_file={run}/config.gin", f"--checkpoint={run}", "--limit=4"]
-    assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 0
     out = run / "eval" / "step_4"
+    # What a killed earlier evaluate (or a copy cut short) leaves: half a file and a leftover.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "val_predictions.jsonl").write_text('{"id": "0", "prediction": "a ha')
+    (out / ".val_predictions.jsonl.x1y2.partial").write_text('{"id": "0", "predi')
+    assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 0
+    assert not list(out.glob(".*.partial"))
     metrics = json.loads((out / "val_metrics.json").read_text())
     records = [json.loads(x) for x in (out / "val_predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == ["0", "1", "2", "3"]

@@ -86,3 +86,18 @@ def test_peak_flops_known_for_gpus_and_unknown_for_cpus():
     assert peak_flops([Device()] * 4) == 4 * 312e12
     assert peak_flops([object()]) == 0.0
     assert peak_flops([object()] * 2, 5e12) == 1e13
+
+
+def test_a_torn_last_row_of_metrics_jsonl_is_dropped_on_resume(tmp_path):
+    """A kill mid-write leaves a row cut short: resuming keeps the whole rows up to its step."""
+    from longt5_jax.metrics import MetricsWriter
+
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 4, "lo')
+    writer = MetricsWriter(tmp_path, total_steps=6, resume_step=2)
+    writer.write(3, {"loss": 0.25})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[:2] == rows[:2] and [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    assert json.loads(lines[2])["loss"] == 0.25
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
