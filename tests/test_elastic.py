@@ -1,0 +1,95 @@
+"""Elastic exact resume with real local processes: a run handed between 1, 2 and 4 processes
+(and meshes) logs the losses of the same run in one process, for every objective, packed or not.
+
+The data stream's own elasticity (every objective, bitwise, simulated processes) is
+`test_data_pipeline.py::test_a_position_saved_by_two_processes_resumes_on_one_and_four`.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_train import TINY_RUN
+
+from longt5_jax import train
+from longt5_jax.data.aclsum import aclsum_source
+from longt5_jax.data.objectives import split_sentences
+
+RUN = [*TINY_RUN[:1], *TINY_RUN[2:]]  # without cpu_devices: the launcher sets it per process
+# Processes of each segment of 2 steps. Packed: 2->1, 1->2, 2->4, 4->2, the last segment on
+# another mesh (data 8, ZeRO-1); unpacked, whose rows all stand at one position: 2->4, 4->1.
+CHAINS = {True: (2, 1, 2, 4, 2), False: (2, 4, 1)}
+OTHER_MESH = ["--gin.MeshConfig.data=8", "--gin.MeshConfig.tensor=1", "--gin.ZERO_STAGE=1"]
+
+
+def _short_docs(path):
+    """Documents of 2-7 short sentences with a one-line summary: several fit a packed row."""
+    records = []
+    for i in range(12):
+        sentences = split_sentences(aclsum_source("val")[i]["inputs"])
+        short = [" ".join(s.split()[: 5 + j % 5]) + "." for j, s in enumerate(sentences[:60])]
+        for start in range(0, len(short), 7):
+            doc = short[start : start + 2 + (start + i) % 6]
+            records.append({"article": " ".join(doc), "abstract": doc[0]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _losses(model_dir):
+    return [json.loads(line)["loss"] for line in (model_dir / "metrics.jsonl").open()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("objective", ["summarization", "span_corruption", "gap_sentences"])
+def test_a_run_handed_between_process_counts_logs_the_one_process_losses(tmp_path, objective, pack):
+    _short_docs(tmp_path / "docs.jsonl")
+    chain = CHAINS[pack]
+    steps = 2 * len(chain)
+    args = [
+        "--gin.DataConfig.task='files'",
+        f"--gin.DataConfig.train_files='{tmp_path / 'docs.jsonl'}'",
+        f"--gin.DataConfig.objective='{objective}'",
+        f"--gin.DataConfig.pack={pack}",
+        f"--gin.OptimizerConfig.total_steps={steps}",
+        "--gin.CheckpointConfig.save_every=2",
+    ]
+    whole = tmp_path / "whole"
+    assert (
+        train.main(
+            [*TINY_RUN, *args, f"--gin.RunConfig.train_steps={steps}", f"--gin.MODEL_DIR='{whole}'"]
+        )
+        == 0
+    )
+    want = _losses(whole)
+    handed = tmp_path / "handed"
+    for segment, processes in enumerate(chain):
+        until = [f"--gin.RunConfig.train_steps={2 * (segment + 1)}", f"--gin.MODEL_DIR='{handed}'"]
+        if pack and segment == len(chain) - 1:
+            until += OTHER_MESH
+        if processes == 1:
+            assert train.main([*TINY_RUN, *args, *until]) == 0
+            continue
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "longt5_jax.launch.local",
+                f"--num_processes={processes}",
+                f"--devices_per_process={8 // processes}",
+                "--",
+                *RUN,
+                *args,
+                *until,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+        assert segment == 0 or f"resumed from step {2 * segment}" in out.stdout
+    got = _losses(handed)
+    assert len(got) == steps
+    # The same rows in the same order; only the order of the reductions can differ.
+    np.testing.assert_allclose(got, want, rtol=1e-5)
