@@ -1,7 +1,8 @@
 """Multi-process training on this machine: real processes over 127.0.0.1 against one process.
 
-(That no example is seen twice across processes within an epoch is
-`test_data_pipeline.py::test_processes_see_disjoint_examples_covering_the_epoch`.)
+(That processes read disjoint rows covering an epoch is
+`test_data_pipeline.py::test_rows_read_every_example_of_an_epoch_once`; runs handed between
+process counts are `test_elastic.py`.)
 """
 
 import json

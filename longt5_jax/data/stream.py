@@ -28,12 +28,8 @@ class _Rows(grain.IterDataset):
 
     def __init__(self, examples, rows, start, batch_size, lengths, pack):
         super().__init__()
-        self.examples, self.batch_size, self.lengths, self.pack = (
-            examples,
-            batch_size,
-            lengths,
-            pack,
-        )
+        self.examples, self.batch_size = examples, batch_size
+        self.lengths, self.pack = lengths, pack
         self.rows, self.start = np.asarray(rows, np.int64), np.asarray(start, np.int64)
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
@@ -51,7 +47,8 @@ class _RowsIterator(grain.DatasetIterator):
     def __init__(self, ds: _Rows):
         super().__init__()
         self.ds, self.next = ds, ds.start.copy()
-        self.pending: dict[int, Example] = {}  # a packed row's example that did not fit
+        # A packed row's example that did not fit: the next one of that row, kept, not redone.
+        self.pending: dict[int, Example] = {}
 
     def _example(self, row: int, position: int) -> Example | None:
         index = int(self.ds.rows[row]) + self.ds.batch_size * int(position)
@@ -116,12 +113,8 @@ class GlobalRows:
         workers: int = 0,
         buffer: int = 2,
     ):
-        self.examples, self.batch_size, self.lengths, self.pack = (
-            examples,
-            batch_size,
-            lengths,
-            pack,
-        )
+        self.examples, self.batch_size = examples, batch_size
+        self.lengths, self.pack = lengths, pack
         share = batch_size // count
         self.rows = np.arange(index * share, (index + 1) * share)
         self.count = count
