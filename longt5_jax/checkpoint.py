@@ -223,6 +223,14 @@ def is_complete(step_dir: Path) -> bool:
     )
 
 
+def state_of(step_dir: Path) -> str:
+    """'complete', 'unreadable' (set aside by a run that could not read it) or 'incomplete'
+    (a save that did not finish)."""
+    if is_complete(step_dir):
+        return "complete"
+    return "unreadable" if step_dir.name.endswith(UNREADABLE) else "incomplete"
+
+
 def step_of(step_dir: Path) -> int | None:
     """The step a directory holds ('12', or '12.orbax-checkpoint-tmp' mid-save), or None."""
     head = step_dir.name.split(".")[0]

@@ -6,18 +6,16 @@ The data stream's own elasticity (every objective, bitwise, simulated processes)
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from test_multihost import _losses, launch_local
 from test_train import TINY_RUN
 
 from longt5_jax import train
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.objectives import split_sentences
 
-RUN = [*TINY_RUN[:1], *TINY_RUN[2:]]  # without cpu_devices: the launcher sets it per process
 # Processes of each segment of 2 steps. Packed: 2->1, 1->2, 2->4, 4->2, the last segment on
 # another mesh (data 8, ZeRO-1); unpacked, whose rows all stand at one position: 2->4, 4->1.
 CHAINS = {True: (2, 1, 2, 4, 2), False: (2, 4, 1)}
@@ -36,10 +34,6 @@ def _short_docs(path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _losses(model_dir):
-    return [json.loads(line)["loss"] for line in (model_dir / "metrics.jsonl").open()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("objective", ["summarization", "span_corruption", "gap_sentences"])
@@ -55,14 +49,9 @@ def test_a_run_handed_between_process_counts_logs_the_one_process_losses(tmp_pat
         f"--gin.OptimizerConfig.total_steps={steps}",
         "--gin.CheckpointConfig.save_every=2",
     ]
-    whole = tmp_path / "whole"
-    assert (
-        train.main(
-            [*TINY_RUN, *args, f"--gin.RunConfig.train_steps={steps}", f"--gin.MODEL_DIR='{whole}'"]
-        )
-        == 0
-    )
-    want = _losses(whole)
+    whole = [f"--gin.RunConfig.train_steps={steps}", f"--gin.MODEL_DIR='{tmp_path / 'whole'}'"]
+    assert train.main([*TINY_RUN, *args, *whole]) == 0
+    want = _losses(tmp_path / "whole")
     handed = tmp_path / "handed"
     for segment, processes in enumerate(chain):
         until = [f"--gin.RunConfig.train_steps={2 * (segment + 1)}", f"--gin.MODEL_DIR='{handed}'"]
@@ -71,24 +60,8 @@ def test_a_run_handed_between_process_counts_logs_the_one_process_losses(tmp_pat
         if processes == 1:
             assert train.main([*TINY_RUN, *args, *until]) == 0
             continue
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "longt5_jax.launch.local",
-                f"--num_processes={processes}",
-                f"--devices_per_process={8 // processes}",
-                "--",
-                *RUN,
-                *args,
-                *until,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-        assert segment == 0 or f"resumed from step {2 * segment}" in out.stdout
+        out = launch_local(processes, *args, *until)
+        assert segment == 0 or f"resumed from step {2 * segment}" in out
     got = _losses(handed)
     assert len(got) == steps
     # The same rows in the same order; only the order of the reductions can differ.

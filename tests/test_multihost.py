@@ -70,7 +70,8 @@ def test_the_launcher_reports_a_failure_and_its_status(capsys):
     assert "[1/2] error:" in out
 
 
-def _launch(model_dir, *extra, processes=2):
+def launch_local(processes: int, *args) -> str:
+    """`launch.local` of the tiny run on `processes` processes sharing 8 devices; its output."""
     out = subprocess.run(
         [
             sys.executable,
@@ -80,9 +81,7 @@ def _launch(model_dir, *extra, processes=2):
             f"--devices_per_process={8 // processes}",
             "--",
             *RUN,
-            *FIVE,
-            *extra,
-            f"--gin.MODEL_DIR='{model_dir}'",
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -90,6 +89,10 @@ def _launch(model_dir, *extra, processes=2):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     return out.stdout
+
+
+def _launch(model_dir, *extra, processes=2):
+    return launch_local(processes, *FIVE, *extra, f"--gin.MODEL_DIR='{model_dir}'")
 
 
 def _losses(model_dir):

@@ -38,9 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m longt5_jax.bench cluster", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--target", default="a100-80gb", help="a100-80gb, h100-80gb, cpu or a file")
-    p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--gpus_per_node", type=int, default=4)
+    targets.add_cluster_arguments(p, cpu=True)
     p.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:INPUT_LENGTH (tiny .. xxl)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--attention", default="tglobal")

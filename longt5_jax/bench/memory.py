@@ -44,9 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m longt5_jax.bench memory", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--target", default="a100-80gb", help="a100-80gb, h100-80gb or a file")
-    p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--gpus_per_node", type=int, default=4)
+    targets.add_cluster_arguments(p)
     p.add_argument("--grid", nargs="+", help="MODEL:LENGTH:BATCH=d,t,p,zero,m,r,remat[;...]")
     p.add_argument("--attention", default="tglobal")
     p.add_argument("--target_length", type=int, default=512)

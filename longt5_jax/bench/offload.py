@@ -30,9 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m longt5_jax.bench offload", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--target", default="a100-80gb", help="a100-80gb, h100-80gb or a file")
-    p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--gpus_per_node", type=int, default=4)
+    targets.add_cluster_arguments(p)
     p.add_argument("--host_gbps", type=float, help="GB/s per GPU to host memory")
     p.add_argument("--model", default="xl")
     p.add_argument("--attention", default="tglobal")

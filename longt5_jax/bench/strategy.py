@@ -177,15 +177,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input_length", type=int, default=512)
     p.add_argument("--target_length", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
-    p.add_argument(
-        "--target",
-        default="a100-80gb",
+    targets.add_cluster_arguments(
+        p,
+        nodes=2,
         help="whose program the memory and collectives are: a100-80gb, h100-80gb (compiled "
         "deviceless for --nodes x --gpus_per_node, data filling them), or cpu (the 8 local "
         "devices' program, as nodes of --gpus_per_node)",
     )
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--gpus_per_node", type=int, default=4)
     p.add_argument("--intra_node_gbps", type=float, help="GB/s (default: the target's NVLink)")
     p.add_argument("--inter_node_gbps", type=float, help="GB/s (default: the target's NIC)")
     p.add_argument("--peak_tflops", type=float, help="per GPU (default: the target's)")

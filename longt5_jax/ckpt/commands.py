@@ -17,7 +17,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from longt5_jax.checkpoint import (
-    UNREADABLE,
     CheckpointError,
     array_infos,
     is_complete,
@@ -25,6 +24,7 @@ from longt5_jax.checkpoint import (
     resolve,
     saved_config,
     saved_tree,
+    state_of,
     step_dirs,
     step_of,
     unreadable,
@@ -49,12 +49,7 @@ def ls(model_dir: str | Path) -> list[dict]:
             "step": step_of(d),
             "path": str(d),
             "complete": is_complete(d),
-            # A run that found it damaged set it aside under this name and resumed before it.
-            "state": "complete"
-            if is_complete(d)
-            else "unreadable"
-            if d.name.endswith(UNREADABLE)
-            else "incomplete",
+            "state": state_of(d),
             "bytes": _size(d),
             "time": datetime.datetime.fromtimestamp(d.stat().st_mtime).isoformat(" ", "seconds"),
             "items": sorted(p.name for p in d.iterdir() if p.is_dir()),

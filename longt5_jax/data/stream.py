@@ -83,7 +83,6 @@ class _RowsIterator(grain.DatasetIterator):
         rows = [batching.packed_row(examples, *self.ds.lengths) for examples in filled]
         out = {k: np.stack([r[k] for r in rows]) for k in batching.ROW_KEYS}
         out["_next"] = self.next.copy()
-        out["_live"] = np.array([bool(x) for x in filled])
         return out
 
     def get_state(self) -> dict:
@@ -137,9 +136,8 @@ class GlobalRows:
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (as `state()` returned it, saved by any number of processes)."""
-        if state.get("batch_size") != self.batch_size or len(state.get("next", ())) != (
-            self.batch_size
-        ):
+        saved = state.get("batch_size")
+        if saved != self.batch_size or len(state.get("next", ())) != saved:
             raise ValueError(
                 f"a data position for DataConfig.batch_size={state.get('batch_size')}; this run "
                 f"has batch_size={self.batch_size} (the stream's rows would not line up)"
@@ -167,19 +165,22 @@ class GlobalRows:
     def __next__(self) -> dict[str, np.ndarray]:
         if self._it is None:
             self._it = self._start()
-        # Worker w holds rows w, w + W, ...; grain hands out one element per worker in turn.
-        parts = [next(self._it) for _ in range(max(self.workers, 1))]
+        step = next(self._it) if self.workers <= 1 else self._gather()
+        if not step["inputs_segment_ids"].any():  # every row's epochs are over
+            raise StopIteration
+        self.next = step.pop("_next")
+        return batching.to_features(step)
+
+    def _gather(self) -> dict[str, np.ndarray]:
+        """One step from the workers: worker w holds rows w, w + W, ..., and grain hands out
+        one element per worker in turn."""
+        parts = [next(self._it) for _ in range(self.workers)]
         step = {}
-        for k in (*batching.ROW_KEYS, "_next", "_live"):
-            first = parts[0][k]
+        for k, first in parts[0].items():
             step[k] = np.empty((len(self.rows), *first.shape[1:]), first.dtype)
             for w, part in enumerate(parts):
                 step[k][w :: len(parts)] = part[k]
-        if not step["_live"].any():
-            raise StopIteration
-        self.next = step.pop("_next")
-        del step["_live"]
-        return batching.to_features(step)
+        return step
 
     def close(self) -> None:
         if self._it is not None and hasattr(self._it, "close"):

@@ -110,6 +110,14 @@ def prepare_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+def add_cluster_arguments(parser, cpu: bool = False, nodes: int = 8, help: str = "") -> None:
+    """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them."""
+    names = "a100-80gb, h100-80gb, cpu or a file" if cpu else "a100-80gb, h100-80gb or a file"
+    parser.add_argument("--target", default="a100-80gb", help=help or names)
+    parser.add_argument("--nodes", type=int, default=nodes)
+    parser.add_argument("--gpus_per_node", type=int, default=4)
+
+
 def open_target(name: str, nodes: int, gpus_per_node: int) -> tuple[Target, list]:
     """The target `name` and its devices to compile for, the environment set first (before jax
     starts); a one-line ValueError for an unknown target or a GPU one without the gpu extra."""
