@@ -247,15 +247,28 @@ def scale_by_layer_factored_rms(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def moment_axes(field: str, path: KeyPath, shape: Sequence[int]) -> tuple[int, ...]:
+    """The axes of a parameter of `shape` that its state leaf `field` keeps, in order: a
+    factored moment keeps the batch axes and its side's axes (`v_row`: rows, `v_col`:
+    columns); any other field keeps them all. Whether the leaf is factored at all is its shape's
+    business: a placeholder [1] keeps none, and the caller sees the mismatch."""
+    f = factoring(path, shape, 1)
+    if field == "v_row" and f.rows:
+        return tuple(a for a in range(len(shape)) if a not in f.cols)
+    if field == "v_col" and f.rows:
+        return tuple(a for a in range(len(shape)) if a not in f.rows)
+    return tuple(range(len(shape)))
+
+
 def _moment_shapes(
     path: KeyPath, shape: Sequence[int], min_dim: int
 ) -> tuple[tuple[int, ...], ...]:
     """Shapes of (v_row, v_col, v) for one leaf."""
-    f = factoring(path, shape, min_dim)
-    if not f.rows:
+    if not factoring(path, shape, min_dim).rows:
         return (1,), (1,), tuple(shape)
-    keep_rows = tuple(n for a, n in enumerate(shape) if a not in f.cols)
-    keep_cols = tuple(n for a, n in enumerate(shape) if a not in f.rows)
+    keep_rows, keep_cols = (
+        tuple(shape[a] for a in moment_axes(field, path, shape)) for field in ("v_row", "v_col")
+    )
     return keep_rows, keep_cols, (1,)
 
 

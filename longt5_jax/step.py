@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5
+from longt5_jax.optim import moment_axes
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
@@ -69,6 +70,7 @@ def _summed_loss(model: LongT5, params: Any, batch: Batch, z_loss: float, rng: j
         decoder_segment_ids=batch["decoder_segment_ids"],
         deterministic=rng is None,
         rngs=None if rng is None else {"dropout": rng},
+        row_ids=batch.get("row_ids"),
     )
     per_token, z_term = cross_entropy(logits, batch["decoder_target_tokens"], z_loss)
     weights = batch["decoder_loss_weights"]
@@ -109,17 +111,13 @@ def loss_and_grads(
     micro = jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch
     )
-    rngs = None if rng is None else jax.random.split(rng, k)
 
-    def body(carry, xs):
-        b, r = xs
-        grads, stats = grad_fn(params, b, r)
+    def body(carry, b):  # every microbatch reads the step's key: its rows' ids tell them apart
+        grads, stats = grad_fn(params, b, rng)
         return jax.tree.map(jnp.add, carry, (stats, grads)), None
 
-    sums = jax.eval_shape(
-        grad_fn, params, jax.tree.map(lambda x: x[0], micro), None if rngs is None else rngs[0]
-    )[::-1]
-    (stats, grads), _ = jax.lax.scan(body, jax.tree.map(_zeros, sums), (micro, rngs))
+    sums = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)[::-1]
+    (stats, grads), _ = jax.lax.scan(body, jax.tree.map(_zeros, sums), micro)
     return stats, grads
 
 
@@ -149,6 +147,9 @@ def train_step(
     gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter); `memory` moves
     offloaded state to the device and back."""
     old_params = memory.params_in(state.params)
+    if rng is not None:  # dropout masks are drawn per row, from its index in the global batch
+        rows = next(iter(batch.values())).shape[0]
+        batch = dict(batch, row_ids=jnp.arange(rows, dtype=jnp.int32))
     stats, grads = gradients(old_params, batch, rng)
     scale = 1.0 / stats["weight"] if cfg.loss_normalization == "tokens" else 1.0
     grads = grad_constraint(jax.tree.map(lambda g: g * scale, grads))
@@ -200,7 +201,7 @@ class ShardedStep:
             check_host_memory(self.mesh.devices.flat[0])
         self.memory = StateMemory(
             self.param_shardings,
-            optimizer_shardings(opt_state, params, opt_layout, self.mesh),
+            optimizer_shardings(opt_state, params, opt_layout, self.mesh, moment_axes),
             self.plan.offload,
         )
         # Between steps each part of the state lives where the plan says: device or host.

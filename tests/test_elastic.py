@@ -1,5 +1,6 @@
 """Elastic exact resume with real local processes: a run handed between 1, 2 and 4 processes
-(and meshes) logs the losses of the same run in one process, for every objective, packed or not.
+(and meshes) logs the losses of the same run in one process, for every objective, packed or not,
+with dropout on.
 
 The data stream's own elasticity (every objective, bitwise, simulated processes) is
 `test_data_pipeline.py::test_a_position_saved_by_two_processes_resumes_on_one_and_four`.
@@ -48,6 +49,8 @@ def test_a_run_handed_between_process_counts_logs_the_one_process_losses(tmp_pat
         f"--gin.DataConfig.pack={pack}",
         f"--gin.OptimizerConfig.total_steps={steps}",
         "--gin.CheckpointConfig.save_every=2",
+        # Fine-tuning's dropout: a row's masks follow its global index, not the process count.
+        "--gin.LongT5Config.dropout_rate=0.1",
     ]
     whole = [f"--gin.RunConfig.train_steps={steps}", f"--gin.MODEL_DIR='{tmp_path / 'whole'}'"]
     assert train.main([*TINY_RUN, *args, *whole]) == 0

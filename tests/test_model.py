@@ -13,6 +13,7 @@ from reference import max_rel, padded_batch, random_params
 
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5, LongT5Config, count_params
+from longt5_jax.model.layers import Dropout, Rows
 
 LOGICAL_AXES = {
     "batch",
@@ -129,6 +130,48 @@ def test_dropout_is_active_only_when_not_deterministic():
     c = _loss(params, config, batch, deterministic=False, rngs={"dropout": jax.random.key(2)})
     assert a == b and a != c and a != eval_loss
     assert eval_loss == _loss(params, dataclasses.replace(config, dropout_rate=0.0), batch)
+
+
+def test_a_rows_dropout_masks_follow_its_global_index():
+    """Rows 2-3 computed alone with their global ids (as another device or microbatch computes
+    them) get the masks they get in the whole batch; given other ids, other masks."""
+    config = LongT5Config.preset("tiny", "transient-global", dropout_rate=0.3)
+    params = {"params": random_params(config)}
+    b = padded_batch(config, [21, 9, 30, 17], [5, 3, 4, 6], 32, 6)
+    model, key = LongT5(config), {"dropout": jax.random.key(3)}
+
+    def logits(rows, row_ids=None):
+        return model.apply(
+            params,
+            b.input_ids[rows],
+            b.attention_mask[rows],
+            b.decoder_input_ids[rows],
+            b.decoder_attention_mask[rows],
+            deterministic=False,
+            rngs=key,
+            row_ids=row_ids,
+        )
+
+    whole, alone = logits(slice(None)), logits(slice(2, 4), jnp.array([2, 3]))
+    np.testing.assert_allclose(alone, whole[2:], rtol=1e-5, atol=1e-5)
+    as_rows_0_1 = logits(slice(2, 4))
+    assert np.abs(as_rows_0_1 - whole[2:]).max() > 1e-2
+
+
+def test_dropout_keeps_one_minus_rate_and_rescales():
+    """An independent look at one mask: the kept share is 1 - rate, kept values are x / (1 -
+    rate), and rows and layers draw different masks."""
+    drop = Dropout(0.25, deterministic=False)
+    x = jnp.ones((3, 64, 64))
+
+    def run(ids, layer):
+        return drop.apply({}, x, Rows(jnp.asarray(ids), layer), rngs={"dropout": jax.random.key(0)})
+
+    y = np.asarray(run([0, 1, 2], 0))
+    assert set(np.unique(y)) == {0.0, np.float32(1 / 0.75)}
+    assert abs((y > 0).mean() - 0.75) < 0.01
+    assert (y[0] != y[1]).any() and (y[0] != np.asarray(run([0, 1, 2], 1))[0]).any()
+    np.testing.assert_array_equal(np.asarray(run([2, 0, 1], 0))[1], y[0])
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,24 @@ def test_adafactor_factored_moments_follow_their_parameters():
     assert (2, 32, 64) not in shapes  # factored: no full-size second moment
 
 
+def test_factored_moments_of_a_square_kernel_keep_their_own_axis_split():
+    """d_ff == d_model: the sizes of wi's [layers, d_model, d_ff] cannot tell its row moment
+    from its column moment; the axes Adafactor keeps do (d_model: ZeRO's data, d_ff: tensor)."""
+    config = LongT5Config.preset("tiny", d_ff=32)
+    plan = MeshConfig(data=4, tensor=2, zero_stage=1)
+    step = ShardedStep(
+        LongT5(config), StepConfig(), make_optimizer(ADAFACTOR), make_mesh(plan), plan
+    )
+    opt = step.state_shardings.opt_state
+
+    def spec(field, kernel):
+        tree = optax.tree_utils.tree_get(opt, field)
+        return tuple(tree["encoder"]["layers"]["mlp"][kernel]["kernel"].spec)
+
+    assert spec("v_row", "wi_0") == (None, "data") and spec("v_col", "wi_0") == (None, "tensor")
+    assert spec("v_row", "wo") == (None, "tensor") and spec("v_col", "wo") == (None, "data")
+
+
 def test_bfloat16_gradient_reduction_stays_close(reference):
     losses, params = _run(MeshConfig(data=8, zero_stage=2), optax.sgd(0.5), grad_dtype="bfloat16")
     np.testing.assert_allclose(losses, reference["sgd"][0], rtol=1e-2)
@@ -147,6 +165,49 @@ def test_sequence_sharding_changes_layout_not_results(reference):
 def test_microbatches_equal_one_big_batch(reference, zero_stage):
     cfg = MeshConfig(data=2, tensor=4, zero_stage=zero_stage)
     _assert_same(_run(cfg, optax.sgd(0.5), microbatches=4), reference["sgd"])
+
+
+DROPOUT = LongT5Config.preset("tiny", dropout_rate=0.1)
+# (data, tensor, pipeline, ZeRO stage, accumulated microbatches): every way the rows of a step
+# are split (devices, accumulation, pipeline microbatches and stages) draws the same masks.
+DROPOUT_LAYOUTS = {
+    "dp4_tp2_zero3_accumulate2": (4, 2, 1, 3, 2),
+    "dp2_tp2_pp2": (2, 2, 2, 1, 1),
+}
+
+
+def _dropout_run(plan, microbatches=1, devices=None):
+    step = ShardedStep(
+        LongT5(DROPOUT, runner=plan.pipeline_plan()),
+        StepConfig(microbatches=microbatches),
+        optax.sgd(0.5),
+        make_mesh(plan, devices),
+        plan,
+    )
+    state, losses = step.init(jax.random.key(0)), []
+    for i, batch in enumerate(_batches()):
+        state, metrics = step(state, batch, jax.random.fold_in(jax.random.key(7), i))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.fixture(scope="module")
+def dropout_reference():
+    return _dropout_run(MeshConfig(data=1, zero_stage=0), devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("layout", DROPOUT_LAYOUTS)
+def test_dropout_masks_follow_the_rows_not_the_layout(reference, dropout_reference, layout):
+    """With dropout, sharded, accumulated and pipelined steps equal one device: a row's masks
+    come from the step and its index in the global batch, so a run resumed on another layout
+    draws what the uninterrupted run drew."""
+    data, tensor, stages, zero, micro = DROPOUT_LAYOUTS[layout]
+    plan = MeshConfig(
+        data=data, tensor=tensor, pipeline=stages, zero_stage=zero, pipeline_microbatches=4
+    )
+    # Dropout is on: the losses are not the deterministic run's.
+    assert np.abs(dropout_reference[0] - reference["sgd"][0]).min() > 1e-3
+    _assert_same(_dropout_run(plan, micro), dropout_reference)
 
 
 def _specs(mesh, zero_stage):

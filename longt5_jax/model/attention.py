@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import Projection, normal
+from longt5_jax.model.layers import Dropout, Projection, Rows, normal
 
 HEADS = ("batch", "length", "heads", "kv")
 MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only match with it
@@ -47,7 +47,7 @@ class Attention(nn.Module):
 
     def setup(self):
         self.query, self.key, self.value, self.out = qkvo_projections(self.config)
-        self.dropout = nn.Dropout(self.config.dropout_rate)
+        self.dropout = Dropout(self.config.dropout_rate, self.deterministic)
 
     def keys_values(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
         k = nn.with_logical_constraint(self.key(x_BSD), HEADS)
@@ -61,6 +61,7 @@ class Attention(nn.Module):
         v_BSHK: jax.Array,
         mask_BTS: jax.Array,
         bias_HTS: jax.Array | None = None,
+        rows: Rows | None = None,
     ) -> jax.Array:
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
@@ -72,6 +73,6 @@ class Attention(nn.Module):
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
         probs = jax.nn.softmax(logits_BHTS, axis=-1)
-        probs = self.dropout(probs, deterministic=self.deterministic).astype(c.compute_dtype)
+        probs = self.dropout(probs, rows).astype(c.compute_dtype)
         out_BTHK = nn.with_logical_constraint(jnp.einsum("bhts,bshk->bthk", probs, v_BSHK), HEADS)
         return self.out(out_BTHK)

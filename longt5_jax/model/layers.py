@@ -6,6 +6,7 @@ Parameters are float32 and carry logical axis names; computation runs in `config
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -48,6 +49,37 @@ class RMSNorm(nn.Module):
         return y.astype(self.dtype) * scale.astype(self.dtype)
 
 
+class Rows(NamedTuple):
+    """What a dropout mask is drawn from besides the step's key: the global index of each row of
+    the batch ([B]) and the layer."""
+
+    ids: jax.Array
+    layer: jax.Array | int = 0
+
+
+class Dropout(nn.Module):
+    """Dropout whose mask for a row comes from fold_in(site key, layer, row id): a row gets the
+    same mask whichever device, microbatch or pipeline stage computes it, so a run resumed on
+    another layout draws the masks the uninterrupted run drew. (Flax's Dropout draws one mask
+    for the array it is given, which depends on how the batch was split.)"""
+
+    rate: float
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array, rows: Rows | None) -> jax.Array:
+        if self.deterministic or self.rate == 0.0:
+            return x
+        key = jax.random.fold_in(self.make_rng("dropout"), rows.layer)
+        keep_prob = 1.0 - self.rate
+
+        def mask(row):
+            return jax.random.bernoulli(jax.random.fold_in(key, row), keep_prob, x.shape[1:])
+
+        keep = jax.vmap(mask)(rows.ids)
+        return jax.lax.select(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros_like(x))
+
+
 class Projection(nn.Module):
     """A bias-free linear map contracting the last `len(in_axes)` input axes into `shape`."""
 
@@ -80,7 +112,7 @@ class MLP(nn.Module):
     deterministic: bool
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: Rows | None = None) -> jax.Array:
         c = self.config
         wi = dict(
             shape=(c.d_ff,),
@@ -92,7 +124,7 @@ class MLP(nn.Module):
         gate = nn.gelu(Projection(**wi, name="wi_0")(x), approximate=True)
         h = gate * Projection(**wi, name="wi_1")(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-        h = nn.Dropout(c.dropout_rate)(h, deterministic=self.deterministic)
+        h = Dropout(c.dropout_rate, self.deterministic)(h, rows)
         return Projection(
             (c.d_model,),
             ("mlp",),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from longt5_jax.model import relpos
 from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import RMSNorm
+from longt5_jax.model.layers import Dropout, RMSNorm, Rows
 
 
 def heads_major(x_BLHK: jax.Array) -> jax.Array:
@@ -124,7 +124,7 @@ class LongSelfAttention(nn.Module):
         self.query, self.key, self.value, self.out = qkvo_projections(c)
         if c.attention == "transient-global":
             self.global_input_layer_norm = RMSNorm(c.layer_norm_eps, c.compute_dtype)
-        self.dropout = nn.Dropout(c.dropout_rate)
+        self.dropout = Dropout(c.dropout_rate, self.deterministic)
 
     def __call__(
         self,
@@ -133,6 +133,7 @@ class LongSelfAttention(nn.Module):
         local_bias_HWX: jax.Array,
         blocks: GlobalBlocks | None,
         side_table_HR: jax.Array | None,
+        rows: Rows | None = None,
     ) -> jax.Array:
         c, w = self.config, self.config.block_len
         length = x_BLD.shape[1]
@@ -181,7 +182,7 @@ class LongSelfAttention(nn.Module):
         total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
         out_BHNWK = 0.0
         for e, (spec, v) in zip(exps, values, strict=True):
-            e = self.dropout(e, deterministic=self.deterministic).astype(c.compute_dtype)
+            e = self.dropout(e, rows).astype(c.compute_dtype)
             out_BHNWK = out_BHNWK + jnp.einsum(spec, e, v, preferred_element_type=jnp.float32)
         out_BHNWK = (out_BHNWK / total).astype(c.compute_dtype)
         b, h, n = out_BHNWK.shape[:3]

@@ -5,17 +5,24 @@ Letter key: B batch, L encoder length, T decoder length, S key length, D embed, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from longt5_jax.model import relpos
+from longt5_jax.model import relpos, stack
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import MLP, Embed, Projection, RMSNorm, truncated_normal_fan_in
+from longt5_jax.model.layers import (
+    MLP,
+    Dropout,
+    Embed,
+    Projection,
+    RMSNorm,
+    Rows,
+    truncated_normal_fan_in,
+)
 from longt5_jax.model.long_attention import (
     GlobalBlocks,
     LongSelfAttention,
@@ -27,76 +34,8 @@ EMBED = ("batch", "length", "embed")
 Cache = dict[str, jax.Array]
 
 
-class StackRunner(Protocol):
-    """Runs a layer stack another way than the scan (`parallel.pipeline.Pipeline`), injected so
-    that the model never knows how: stage_fn(chunk_params, x, per_microbatch rows, shared,
-    chunk index, microbatch index) applies a chunk of layers."""
-
-    def chunk_length(self, held_layers: int, what: str) -> int: ...
-
-    def run(
-        self, stage_fn: Callable, layer_params: Any, x: jax.Array, per_microbatch: Any, shared: Any
-    ) -> jax.Array: ...
-
-
-_REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
-def _stack(
-    layer: type[nn.Module],
-    config: LongT5Config,
-    num_layers: int,
-    in_axes: tuple,
-    deterministic: bool,
-    name: str | None,
-    **kwargs,
-) -> nn.Module:
-    """`num_layers` copies of `layer` as one scan; parameters gain a leading 'layers' axis."""
-    if config.remat != "none":
-        layer = nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=False)
-    scanned = nn.scan(
-        layer,
-        variable_axes={"params": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=in_axes,
-        length=num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )
-    return scanned(config, deterministic, name=name, **kwargs)
-
-
-def _run_by(
-    parent: nn.Module,
-    stack: nn.Module,
-    layer: type[nn.Module],
-    in_axes: tuple,
-    runner: StackRunner,
-    deterministic: bool,
-    call: Any,
-    x: jax.Array,
-    per_microbatch: Any,
-    shared: Any,
-) -> jax.Array:
-    """`stack` (already holding its [layers, ...] parameters) run by `runner`, a chunk of
-    layers at a time.
-
-    `call(chunk, h, rows, shared)` applies a chunk of layers to `h` with the layer's arguments
-    rebuilt from this microbatch's `rows` and the `shared` inputs.
-    """
-    c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
-    k = runner.chunk_length(held, f"{type(parent).__name__} layers")
-    chunk = _stack(layer, c, k, in_axes, deterministic, None, parent=None)
-    rng = None if deterministic else parent.make_rng("dropout")
-
-    def stage_fn(params, h, rows, shared, index, microbatch):
-        rngs = {}
-        if rng is not None:  # each chunk and microbatch draws its own dropout masks
-            rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(rng, index), microbatch)}
-        return call(
-            lambda *args: chunk.apply({"params": params}, *args, rngs=rngs)[0], h, rows, shared
-        )
-
-    return runner.run(stage_fn, stack.variables["params"], x, per_microbatch, shared)
+def _rows(row_ids: jax.Array | None, layer: jax.Array | int = 0) -> Rows | None:
+    return None if row_ids is None else Rows(row_ids, layer)
 
 
 class EncoderLayer(nn.Module):
@@ -109,20 +48,22 @@ class EncoderLayer(nn.Module):
     def __call__(
         self,
         x: jax.Array,
+        layer: jax.Array,
+        row_ids: jax.Array | None,
         segment_ids: jax.Array,
         local_bias_HWX: jax.Array,
         blocks: GlobalBlocks | None,
         side_table_HR: jax.Array | None,
     ):
-        c, det = self.config, self.deterministic
+        c, det, rows = self.config, self.deterministic, _rows(row_ids, layer)
         norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
         h = RMSNorm(**norm, name="pre_attention_layer_norm")(x)
         h = LongSelfAttention(c, det, name="attention")(
-            h, segment_ids, local_bias_HWX, blocks, side_table_HR
+            h, segment_ids, local_bias_HWX, blocks, side_table_HR, rows
         )
-        x = x + nn.Dropout(c.dropout_rate)(h, deterministic=det)
-        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x))
-        x = x + nn.Dropout(c.dropout_rate)(h, deterministic=det)
+        x = x + Dropout(c.dropout_rate, det)(h, rows)
+        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
+        x = x + Dropout(c.dropout_rate, det)(h, rows)
         return nn.with_logical_constraint(x, EMBED), None
 
 
@@ -136,14 +77,16 @@ class DecoderLayer(nn.Module):
     def __call__(
         self,
         x: jax.Array,
+        layer: jax.Array,
         cache: Cache | None,
+        row_ids: jax.Array | None,
         encoded: jax.Array,
         self_mask: jax.Array,
         self_bias_HTS: jax.Array,
         cross_mask: jax.Array,
         cache_index: jax.Array,
     ):
-        c, det = self.config, self.deterministic
+        c, det, rows = self.config, self.deterministic, _rows(row_ids, layer)
         norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
         h = RMSNorm(**norm, name="pre_self_attention_layer_norm")(x)
         attn = Attention(c, det, name="self_attention")
@@ -151,9 +94,7 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, cache_index, axis=1)
-        x = x + nn.Dropout(c.dropout_rate)(
-            attn(h, k, v, self_mask, self_bias_HTS), deterministic=det
-        )
+        x = x + Dropout(c.dropout_rate, det)(attn(h, k, v, self_mask, self_bias_HTS, rows), rows)
 
         h = RMSNorm(**norm, name="pre_cross_attention_layer_norm")(x)
         cross = Attention(c, det, name="encoder_decoder_attention")
@@ -161,21 +102,26 @@ class DecoderLayer(nn.Module):
             ck, cv = cache["cross_k"], cache["cross_v"]
         else:  # Training, or the first decoding step, which fills the cross-attention cache.
             ck, cv = cross.keys_values(encoded)
-        x = x + nn.Dropout(c.dropout_rate)(cross(h, ck, cv, cross_mask), deterministic=det)
+        x = x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
 
-        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x))
-        x = nn.with_logical_constraint(x + nn.Dropout(c.dropout_rate)(h, deterministic=det), EMBED)
+        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
+        x = nn.with_logical_constraint(x + Dropout(c.dropout_rate, det)(h, rows), EMBED)
         new_cache = None if cache is None else dict(self_k=k, self_v=v, cross_k=ck, cross_v=cv)
         return x, new_cache
 
 
 class Encoder(nn.Module):
     config: LongT5Config
-    runner: StackRunner | None = None
+    runner: stack.StackRunner | None = None
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, deterministic: bool
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array,
+        positions: jax.Array,
+        deterministic: bool,
+        row_ids: jax.Array | None = None,
     ) -> jax.Array:
         c = self.config
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
@@ -189,24 +135,34 @@ class Encoder(nn.Module):
             side_table_HR = relpos.RelposTable(
                 c.num_heads, c.relpos_buckets, name="side_relpos_bias"
             )()
-        x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        in_axes = (nn.broadcast,) * 4
-        layers = _stack(EncoderLayer, c, c.num_encoder_layers, in_axes, deterministic, "layers")
-        if self.runner is None or self.is_initializing():
-            x, _ = layers(x, segment_ids, local_bias_HWX, blocks, side_table_HR)
+        x = Dropout(c.dropout_rate, deterministic)(x, _rows(row_ids))
+        in_axes = (0,) + (nn.broadcast,) * 5
+        layers = stack.scanned(
+            EncoderLayer, c, c.num_encoder_layers, in_axes, deterministic, "layers"
+        )
+        if self.is_initializing():
+            x, _ = layers(
+                x,
+                jnp.arange(c.num_encoder_layers),
+                row_ids,
+                segment_ids,
+                local_bias_HWX,
+                blocks,
+                side_table_HR,
+            )
         else:
 
             def call(apply, h, rows, shared):
-                return apply(h, rows[0], shared[0], rows[1], shared[1])
+                return apply(h, rows[0], rows[1], shared[0], rows[2], shared[1])
 
-            per_microbatch = (segment_ids, blocks)
+            per_microbatch = (row_ids, segment_ids, blocks)
             shared = (local_bias_HWX, side_table_HR)
-            x = _run_by(
+            x = stack.run(
                 self,
                 layers,
                 EncoderLayer,
                 in_axes,
-                self.runner,
+                self.runner or stack.WholeStack(),
                 deterministic,
                 call,
                 x,
@@ -214,12 +170,12 @@ class Encoder(nn.Module):
                 shared,
             )
         x = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="encoder_norm")(x)
-        return nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
+        return Dropout(c.dropout_rate, deterministic)(x, _rows(row_ids))
 
 
 class Decoder(nn.Module):
     config: LongT5Config
-    runner: StackRunner | None = None
+    runner: stack.StackRunner | None = None
 
     @nn.compact
     def __call__(
@@ -231,6 +187,7 @@ class Decoder(nn.Module):
         cache: Cache | None,
         cache_index: jax.Array,
         deterministic: bool,
+        row_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         c = self.config
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
@@ -240,28 +197,41 @@ class Decoder(nn.Module):
             table_HR,
             relpos.relative_position_bucket(rel_TS, False, c.relpos_buckets, c.relpos_max_distance),
         )
-        y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
-        in_axes = (0,) + (nn.broadcast,) * 5
-        layers = _stack(DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers")
-        if self.runner is None or cache is not None or self.is_initializing():
-            y, cache = layers(y, cache, encoded, self_mask, bias_HTS, cross_mask, cache_index)
+        y = Dropout(c.dropout_rate, deterministic)(y, _rows(row_ids))
+        in_axes = (0, 0) + (nn.broadcast,) * 6
+        layers = stack.scanned(
+            DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers"
+        )
+        if cache is not None or self.is_initializing():
+            y, cache = layers(
+                y,
+                jnp.arange(c.num_decoder_layers),
+                cache,
+                row_ids,
+                encoded,
+                self_mask,
+                bias_HTS,
+                cross_mask,
+                cache_index,
+            )
         else:  # training: the encoder output follows each microbatch to every stage
 
             def call(apply, h, rows, shared):
-                return apply(h, None, rows[0], rows[1], shared[0], rows[2], shared[1])
+                return apply(h, None, rows[0], rows[1], rows[2], shared[0], rows[3], shared[1])
 
             b = y.shape[0]
             per_microbatch = (
+                row_ids,
                 encoded,
                 jnp.broadcast_to(self_mask, (b, *self_mask.shape[1:])),
                 jnp.broadcast_to(cross_mask, (b, *cross_mask.shape[1:])),
             )
-            y = _run_by(
+            y = stack.run(
                 self,
                 layers,
                 DecoderLayer,
                 in_axes,
-                self.runner,
+                self.runner or stack.WholeStack(),
                 deterministic,
                 call,
                 y,
@@ -269,7 +239,7 @@ class Decoder(nn.Module):
                 (bias_HTS, cache_index),
             )
         y = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="decoder_norm")(y)
-        y = nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
+        y = Dropout(c.dropout_rate, deterministic)(y, _rows(row_ids))
         # The output projection is untied from the embedding and runs in float32.
         logits = Projection(
             (c.vocab_size,),
@@ -300,16 +270,24 @@ def _encoder_segments(
     return segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
 
 
+def _row_ids(row_ids: jax.Array | None, batch: int, deterministic: bool) -> jax.Array | None:
+    if deterministic:
+        return None
+    return jnp.arange(batch, dtype=jnp.int32) if row_ids is None else row_ids
+
+
 class LongT5(nn.Module):
     """LongT5: `apply({'params': p}, input_ids, attention_mask, decoder_input_ids)` -> logits.
 
     Packed rows pass `encoder_segment_ids`/`encoder_positions` and `decoder_segment_ids`
-    (0 = padding, segments contiguous, positions restarting at 0 in each segment).
+    (0 = padding, segments contiguous, positions restarting at 0 in each segment). With dropout
+    (`deterministic=False`), `row_ids` [B] are the rows' indices in the global batch (default
+    0..B-1): each row's masks are drawn from its index, not from where the row is computed.
     """
 
     config: LongT5Config
     # Runs the encoder and decoder stacks instead of a scan (the pipeline; training only).
-    runner: StackRunner | None = None
+    runner: stack.StackRunner | None = None
 
     def setup(self):
         self.token_embedder = Embed(self.config)
@@ -327,6 +305,7 @@ class LongT5(nn.Module):
         encoder_positions: jax.Array | None = None,
         decoder_segment_ids: jax.Array | None = None,
         deterministic: bool = True,
+        row_ids: jax.Array | None = None,
     ) -> jax.Array:
         if (encoder_segment_ids is None) != (decoder_segment_ids is None):
             raise ValueError(
@@ -336,7 +315,11 @@ class LongT5(nn.Module):
             attention_mask, encoder_segment_ids, encoder_positions, input_ids.shape
         )
         encoded = self.encode(
-            input_ids, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+            input_ids,
+            segment_ids=segment_ids,
+            positions=positions,
+            deterministic=deterministic,
+            row_ids=row_ids,
         )
         logits, _ = self.decode(
             encoded,
@@ -345,6 +328,7 @@ class LongT5(nn.Module):
             decoder_attention_mask,
             decoder_segment_ids=decoder_segment_ids,
             deterministic=deterministic,
+            row_ids=row_ids,
         )
         return logits
 
@@ -356,13 +340,15 @@ class LongT5(nn.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         deterministic: bool = True,
+        row_ids: jax.Array | None = None,
     ) -> jax.Array:
         """[B, L, D] encoder output (after the final norm)."""
         segment_ids, positions = _encoder_segments(
             attention_mask, segment_ids, positions, input_ids.shape
         )
         x = self.token_embedder(input_ids)
-        return self.encoder(x, segment_ids, positions, deterministic)
+        row_ids = _row_ids(row_ids, input_ids.shape[0], deterministic)
+        return self.encoder(x, segment_ids, positions, deterministic, row_ids)
 
     def decode(
         self,
@@ -375,6 +361,7 @@ class LongT5(nn.Module):
         cache: Cache | None = None,
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
+        row_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None]:
         """Logits [B, T, V] and the updated cache (None without one).
 
@@ -398,7 +385,10 @@ class LongT5(nn.Module):
                 decoder_segment_ids[:, :, None] == encoder_segment_ids[:, None, :]
             )
         y = self.token_embedder(decoder_input_ids)
-        return self.decoder(y, encoded, self_mask, cross_mask, cache, cache_index, deterministic)
+        row_ids = _row_ids(row_ids, y.shape[0], deterministic)
+        return self.decoder(
+            y, encoded, self_mask, cross_mask, cache, cache_index, deterministic, row_ids
+        )
 
 
 def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:

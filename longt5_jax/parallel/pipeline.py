@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-# stage_fn(chunk_params [k, ...], x [mb, ...], per_microbatch slice, shared, chunk, microbatch)
-StageFn = Callable[[Any, jax.Array, Any, Any, jax.Array, jax.Array], jax.Array]
+# stage_fn(chunk_params [k, ...], x [mb, ...], per_microbatch slice, shared, chunk index)
+StageFn = Callable[[Any, jax.Array, Any, Any, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Pipeline:
         return self.check(held_layers, what)
 
     def run(self, stage_fn: StageFn, layer_params, x, per_microbatch, shared) -> jax.Array:
-        """The model's stack runner (`model.transformer.StackRunner`): module-level `run`."""
+        """The model's stack runner (`model.stack.StackRunner`): module-level `run`."""
         return run(self, stage_fn, layer_params, x, per_microbatch, shared)
 
     @property
@@ -160,7 +160,7 @@ def _stages(cfg: Pipeline, stage_fn: StageFn, chunks, x, micro, shared) -> jax.A
             lambda w: w[chunk] if chunk is not None else jax.lax.select_n(j, *w), chunks
         )
         rows = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, 0, False), micro)
-        out = stage_fn(params, jnp.where(s == 0, buf[0], h), rows, shared, j * p + s, mb)
+        out = stage_fn(params, jnp.where(s == 0, buf[0], h), rows, shared, j * p + s)
         last = out if owner == p - 1 else _shift(out, axis, p, owner - (p - 1))
         finished = (s == owner) & (t >= p - 1)
         buf = buf.at[slot].set(jnp.where(finished, last, buf[slot]))

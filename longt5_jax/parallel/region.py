@@ -16,7 +16,8 @@ when pipelining, over `pipeline` too, so the embeddings, the LM head and the los
 the rows on each stage instead of all of them on every stage.
 
 Inside, the logical rules map nothing to a manual axis (a constraint naming one would be an
-error); dropout keys fold in the shard's position, so every shard draws its own masks.
+error). Every shard reads the step's dropout key as it is: a row's masks come from the row's
+global index, which the batch carries (`row_ids`), so they do not depend on the shard.
 """
 
 from __future__ import annotations
@@ -111,13 +112,6 @@ class ShardRegion:
 
         return jax.tree.map(one, tree, specs)
 
-    def _rng(self, rng: jax.Array | None) -> jax.Array | None:
-        if rng is None:
-            return None
-        for axis in self.manual:
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        return rng
-
     def _stack_spec(self, spec: PartitionSpec) -> PartitionSpec:
         """The spec of a gradient's per-shard partial sums, stacked on a new leading axis over
         the shards that must add them: `data`, and `pipeline` unless the stages split it."""
@@ -144,7 +138,7 @@ class ShardRegion:
         stack_specs = jax.tree.map(self._stack_spec, param_specs)
 
         def local(params, batch, rng):
-            stats, grads = fn(self._vary(params, param_specs), batch, self._rng(rng))
+            stats, grads = fn(self._vary(params, param_specs), batch, rng)
             stats = jax.tree.map(lambda s: jax.lax.psum(s, self.manual), stats)
             return stats, jax.tree.map(lambda g: g.astype(self.reduce_dtype)[None], grads)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -38,34 +39,51 @@ def tree_shardings(boxed: Any, mesh: Mesh, use: Use, zero_stage: int) -> Any:
     return nn.logical_to_mesh_sharding(specs, mesh, rules(use, zero_stage, pipelined=pipelined))
 
 
-def _reduced_spec(
-    shape: tuple[int, ...], param_shape: tuple[int, ...], spec: PartitionSpec
-) -> PartitionSpec:
-    """The spec of a moment whose dims are a subsequence of its parameter's (factored moments:
-    Adafactor keeps [layers, rows] and [layers, cols] for a [layers, rows, cols] kernel)."""
-    entries = tuple(spec) + (None,) * (len(param_shape) - len(spec))
-    kept, i = [], 0
-    for dim, entry in zip(param_shape, entries, strict=True):
-        if i < len(shape) and shape[i] == dim:
-            kept.append(entry)
-            i += 1
-    if i != len(shape) or (shape == (1,) and param_shape != (1,)):
-        return PartitionSpec()  # a scalar or a placeholder: replicate
-    return PartitionSpec(*kept)
+KeptAxes = Callable[[str, tuple, tuple[int, ...]], tuple[int, ...]]
 
 
-def optimizer_shardings(opt_state: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
-    """Shardings for optimizer state: every params-shaped subtree follows `param_shardings`."""
+def optimizer_shardings(
+    opt_state: Any, params: Any, param_shardings: Any, mesh: Mesh, kept_axes: KeptAxes
+) -> Any:
+    """Shardings for optimizer state: every params-shaped subtree follows `param_shardings`.
+
+    A leaf keeps the split of each parameter axis it keeps, as the optimizer says:
+    `kept_axes(field, param path, param shape)` (e.g. Adafactor's factored moments keep the rows
+    or the columns); a leaf of another shape (a placeholder) is replicated.
+    """
     param_def = jax.tree.structure(params)
+    param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
-    def one(node):
+    def one(state_path, node):
         if jax.tree.structure(node) != param_def:
-            return NamedSharding(mesh, PartitionSpec())
-        return jax.tree.map(
-            lambda x, p, s: NamedSharding(mesh, _reduced_spec(x.shape, p.shape, s.spec)),
-            node,
-            params,
-            param_shardings,
+            return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), node)
+        field = _last_name(state_path)
+        leaves = zip(
+            param_paths,
+            jax.tree.leaves(node),
+            jax.tree.leaves(params),
+            jax.tree.leaves(param_shardings),
+            strict=True,
         )
+        specs = []
+        for path, x, p, s in leaves:
+            axes = kept_axes(field, path, p.shape)
+            entries = tuple(s.spec) + (None,) * (p.ndim - len(s.spec))
+            if x.shape != tuple(p.shape[a] for a in axes):
+                specs.append(PartitionSpec())
+            else:
+                specs.append(PartitionSpec(*(entries[a] for a in axes)))
+        return jax.tree.unflatten(param_def, [NamedSharding(mesh, spec) for spec in specs])
 
-    return jax.tree.map(one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == param_def)
+    return jax.tree_util.tree_map_with_path(
+        one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == param_def
+    )
+
+
+def _last_name(path: tuple) -> str:
+    """The innermost field or key name along a pytree key path ('' at the root)."""
+    for k in reversed(path):
+        for attr in ("name", "key"):
+            if isinstance(getattr(k, attr, None), str):
+                return getattr(k, attr)
+    return ""

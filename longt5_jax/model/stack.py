@@ -1,0 +1,104 @@
+"""Layer stacks: copies of a layer as one `nn.scan`, run by a runner a chunk of layers at a time.
+
+The runner is the whole scan by default (`WholeStack`); the pipeline injects another
+(`parallel.pipeline.Pipeline`), so the model never imports or branches on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from longt5_jax.model.config import LongT5Config
+
+
+class StackRunner(Protocol):
+    """Runs a layer stack a chunk of layers at a time: stage_fn(chunk_params, x, per_microbatch
+    rows, shared, chunk index) applies one chunk. `WholeStack` runs every layer as one chunk;
+    the pipeline (`parallel.pipeline.Pipeline`) is injected instead, so the model never knows
+    how the stack is split."""
+
+    def chunk_length(self, held_layers: int, what: str) -> int: ...
+
+    def run(
+        self, stage_fn: Callable, layer_params: Any, x: jax.Array, per_microbatch: Any, shared: Any
+    ) -> jax.Array: ...
+
+
+class WholeStack:
+    """The default runner: the whole stack as one scan."""
+
+    def chunk_length(self, held_layers: int, what: str) -> int:
+        return held_layers
+
+    def run(self, stage_fn, layer_params, x, per_microbatch, shared):
+        return stage_fn(layer_params, x, per_microbatch, shared, 0)
+
+
+_REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def scanned(
+    layer: type[nn.Module],
+    config: LongT5Config,
+    num_layers: int,
+    in_axes: tuple,
+    deterministic: bool,
+    name: str | None,
+    **kwargs,
+) -> nn.Module:
+    """`num_layers` copies of `layer` as one scan; parameters gain a leading 'layers' axis.
+
+    Every layer reads the same dropout key; its masks differ by the layer's index, its first
+    scanned argument, which a chunk of a pipeline knows too (a split key would not be the same
+    for a chunk of the stack as for the whole).
+    """
+    if config.remat != "none":
+        layer = nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=False)
+    scanned = nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": False},
+        in_axes=in_axes,
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    return scanned(config, deterministic, name=name, **kwargs)
+
+
+def run(
+    parent: nn.Module,
+    stack: nn.Module,
+    layer: type[nn.Module],
+    in_axes: tuple,
+    runner: StackRunner,
+    deterministic: bool,
+    call: Any,
+    x: jax.Array,
+    per_microbatch: Any,
+    shared: Any,
+) -> jax.Array:
+    """`stack` (already holding its [layers, ...] parameters) run by `runner`, a chunk of
+    layers at a time.
+
+    `call(apply, h, rows, shared)` applies a chunk of layers to `h` with the layer's arguments
+    (after the layer index) rebuilt from this microbatch's `rows` and the `shared` inputs.
+    """
+    c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
+    k = runner.chunk_length(held, f"{type(parent).__name__} layers")
+    chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
+    rngs = {} if deterministic else {"dropout": parent.make_rng("dropout")}
+
+    def stage_fn(params, h, rows, shared, index):
+        layers = index * k + jnp.arange(k)
+
+        def apply(h, *args):
+            return chunk.apply({"params": params}, h, layers, *args, rngs=rngs)[0]
+
+        return call(apply, h, rows, shared)
+
+    return runner.run(stage_fn, stack.variables["params"], x, per_microbatch, shared)
