@@ -1,5 +1,5 @@
-"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, memory, offload, pipeline,
-profile, speed, strategy.
+"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, memory, offload,
+pipeline, profile, speed, strategy.
 
 Each benchmark takes --help.
 """
@@ -10,6 +10,7 @@ from longt5_jax.bench import (
     cluster,
     data,
     decode,
+    device,
     memory,
     offload,
     pipeline,
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "cluster": cluster.main,
     "data": data.main,
     "decode": decode.main,
+    "device": device.main,
     "memory": memory.main,
     "offload": offload.main,
     "pipeline": pipeline.main,

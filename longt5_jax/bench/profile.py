@@ -94,9 +94,13 @@ def group_of(path: str, matmul: bool) -> str:
 def breakdown(trace: dict, hlo_text: str, top: int) -> dict:
     """Rows by model part and the `top` single ops, in milliseconds of wall time."""
     ops = hlo_ops(hlo_text)
-    events = [
-        e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name") in ops
-    ]  # XLA ops only (not the host-side frames and runtime regions around them)
+    # XLA ops only (not the host-side frames and runtime regions around them). On a GPU an op
+    # runs as kernels named by the kernel, the op in their `hlo_op` argument.
+    events = []
+    for e in trace["traceEvents"]:
+        name = (e.get("args") or {}).get("hlo_op", e.get("name"))
+        if e.get("ph") == "X" and name in ops:
+            events.append({**e, "name": name})
     share, idle, span = wall_shares(events)
     by_group: dict[str, float] = collections.defaultdict(float)
     by_op: dict[str, float] = collections.defaultdict(float)
@@ -165,5 +169,7 @@ def main(argv: list[str]) -> int:
     }
     _print(report)
     (out / "profile.json").write_text(json.dumps(report, indent=2))
+    # The program the trace ran, so the breakdown can be redone or read further.
+    (out / "profile_hlo.txt").write_text(step.compiled.as_text())
     print(f"wrote {out / 'profile.json'} (trace: {traces[-1]})")
     return 0

@@ -94,8 +94,8 @@ def load(name: str) -> Target:
 
 
 def have_gpu_compiler() -> bool:
-    """Whether the `gpu` extra (jax's CUDA plugin) is installed."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    """Whether jax's CUDA plugin is installed (the `gpu` extra's CUDA 12 one, or CUDA 13's)."""
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
 
 
 GPU_EXTRA_MISSING = (

@@ -1,0 +1,265 @@
+"""The train step on this machine's GPU, against the deviceless compile of the same step.
+
+Each case (model, input length, batch, remat) is the step the training loop runs (`ShardedStep`
+on one device: bf16 activations, float32 parameters, AdamW) and is measured twice, each in a
+process of its own so that neither compiler nor allocator state leaks between cases:
+
+- compiled deviceless for `--target` (the compile-only GPU the planner and `bench cluster` use):
+  memory from its buffer assignment, and the roofline of its kernels as a step-time estimate;
+- compiled for and run on this process's GPU: the same buffer assignment read from the real
+  compile, the allocator's peak over the steps, and the step time (median of the timed steps
+  after warm-up), as tokens/s and MFU: model FLOPs per second over the target's dense bf16 peak
+  and over the bf16 matmul rate measured in the same process.
+
+The ratios (real / deviceless memory, measured / roofline time) say how far the figures the
+planner and `bench cluster` give for a cluster nobody here has can be trusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.plan import targets
+
+CASES = ["base:4096:8:none", "base:16384:2:full", "large:4096:4:full", "xl:4096:2:full"]
+_RESULT = "RESULT "
+_NO_GPU = "bench device runs the step on a GPU; this process has none"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m longt5_jax.bench device", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--cases", nargs="+", default=CASES, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
+    p.add_argument("--target", default="h100-80gb", help="what the deviceless compile targets")
+    p.add_argument("--attention", default="tglobal")
+    p.add_argument("--target_length", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--child", choices=["gpu", "deviceless"], help=argparse.SUPPRESS)
+    return p
+
+
+def _case(text: str) -> tuple[str, int, int, str]:
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts[1:3]):
+        raise ValueError(f"--cases {text!r}: expected MODEL:INPUT_LENGTH:BATCH[:REMAT]")
+    remat = parts[3] if len(parts) == 4 else "full"
+    if remat not in ("none", "full", "save_dots"):
+        raise ValueError(f"--cases {text!r}: remat {remat!r} is not none, full or save_dots")
+    return parts[0], int(parts[1]), int(parts[2]), remat
+
+
+def _step(args, case: str, devices: list):
+    from longt5_jax.model import LongT5Config
+    from longt5_jax.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.parallel.mesh import MeshConfig
+    from longt5_jax.plan import compile_ahead
+    from longt5_jax.step import StepConfig
+
+    model, length, batch, remat = _case(case)
+    config = LongT5Config.preset(model, args.attention, dtype="bfloat16", remat=remat)
+    optimizer = make_optimizer(OptimizerConfig(name="adamw"))
+    step = compile_ahead.sharded_step(
+        config, MeshConfig(data=1), StepConfig(), optimizer, devices[:1], 1
+    )
+    return config, step, (batch, length, args.target_length), remat
+
+
+def _deviceless(args, case: str) -> dict:
+    """The step compiled for the target's compile-only GPU: memory and roofline."""
+    from longt5_jax.plan import compile_ahead, cost
+
+    target, devices = targets.open_target(args.target, 1, 1)
+    _, step, shape, _ = _step(args, case, devices)
+    began = time.perf_counter()
+    compiled = compile_ahead.CompiledStep(step, compile_ahead.compile_step(step, *shape), 1)
+    a = compiled.analyse(cost.Cluster.of(target, 1, 1))
+    return {
+        "compile_s": time.perf_counter() - began,
+        "memory": a["memory"],
+        "roofline_s": a["roofline"]["seconds"],
+    }
+
+
+def _bf16_matmul_flops(size: int = 8192, repeats: int = 10) -> float:
+    """Best-of-`repeats` bf16 FLOP/s of one size^3 matmul on the default device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    product = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(product(a))
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        jax.block_until_ready(product(a))
+        best = min(best, time.perf_counter() - began)
+    return 2.0 * size**3 / best
+
+
+def _on_gpu(args, case: str) -> dict:
+    """The step compiled for and run on this process's GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from longt5_jax import flops
+    from longt5_jax.bench.pipeline import random_batch
+    from longt5_jax.plan import hlo
+
+    if jax.default_backend() != "gpu":
+        raise ValueError(_NO_GPU)
+    device = jax.devices()[0]
+    config, step, (b, length, target_length), remat = _step(args, case, jax.devices())
+    state = step.init(jax.random.key(0))
+    features = random_batch(b, length, target_length, config.vocab_size)
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in features.items()}, step.batch_sharding)
+    began = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - began
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        began = time.perf_counter()
+        state, metrics = compiled(state, batch, None)
+        losses.append(float(jax.block_until_ready(metrics["loss"])))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - began)
+    seconds = statistics.median(times)
+    model_flops = flops.train_flops_per_step(config, b, length, target_length)
+    executed = flops.executed_flops_per_step(config, b, length, target_length, remat)
+    measured_peak = _bf16_matmul_flops()
+    peak = targets.load(args.target).figures.peak_tflops * 1e12
+    return {
+        "device": device.device_kind,
+        "compile_s": compile_s,
+        "memory": hlo.memory(compiled).as_dict(),
+        "allocator_peak": int((device.memory_stats() or {}).get("peak_bytes_in_use", 0)),
+        "step_s": seconds,
+        "step_s_range": [min(times), max(times)],
+        "tokens_per_s": b * (length + target_length) / seconds,
+        "model_tflops_per_step": model_flops / 1e12,
+        "mfu": model_flops / seconds / peak,
+        "hfu": executed / seconds / peak,
+        "bf16_matmul_tflops": measured_peak / 1e12,
+        "mfu_of_measured_peak": model_flops / seconds / measured_peak,
+        "losses": losses,
+    }
+
+
+def _child(args, kind: str, case: str) -> dict:
+    """Run one case's `kind` in a process of its own; its report comes back on stdout."""
+    env = dict(os.environ)
+    if kind == "deviceless":
+        env.update(targets.DEVICELESS_ENV)
+    else:  # the allocator may take what the step needs (jax's default stops at 75%)
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    cmd = [sys.executable, "-m", "longt5_jax.bench", "device", "--child", kind, "--cases", case]
+    cmd += ["--target", args.target, "--attention", args.attention]
+    cmd += ["--target_length", str(args.target_length), "--steps", str(args.steps)]
+    cmd += ["--warmup", str(args.warmup)]
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
+    if not lines:
+        return {"error": f"the {kind} run of {case} exited {done.returncode}"}
+    return json.loads(lines[-1][len(_RESULT) :])
+
+
+def _row(case: str, deviceless: dict, gpu: dict) -> dict:
+    row = {"case": case, "deviceless": deviceless, "gpu": gpu}
+    if "error" not in deviceless and "error" not in gpu:
+        row["memory_ratio"] = gpu["memory"]["total"] / deviceless["memory"]["total"]
+        row["allocator_over_compiled"] = gpu["allocator_peak"] / gpu["memory"]["total"]
+        row["time_over_roofline"] = gpu["step_s"] / deviceless["roofline_s"]
+    return row
+
+
+def _print(rows: list[dict]) -> None:
+    gib = 2**30
+    head = (
+        f"{'case':24} {'step s':>7} {'tok/s':>8} {'MFU':>6} {'HFU':>6} {'dl GiB':>7} "
+        f"{'gpu GiB':>7} {'alloc':>7} {'mem r':>6} {'roof s':>7} {'t/roof':>6}"
+    )
+    print(head)
+    for r in rows:
+        d, g = r["deviceless"], r["gpu"]
+        if "memory_ratio" not in r:
+            print(f"{r['case']:24} {d.get('error', '')} {g.get('error', '')}")
+            continue
+        print(
+            f"{r['case']:24} {g['step_s']:7.3f} {g['tokens_per_s']:8.0f} {g['mfu']:6.1%} "
+            f"{g['hfu']:6.1%} {d['memory']['total'] / gib:7.2f} {g['memory']['total'] / gib:7.2f} "
+            f"{g['allocator_peak'] / gib:7.2f} {r['memory_ratio']:6.3f} {d['roofline_s']:7.3f} "
+            f"{r['time_over_roofline']:6.2f}"
+        )
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    rows = [r for r in rows if "memory_ratio" in r]
+    if not rows:
+        return
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["case"] for r in rows]
+    x = range(len(rows))
+    for offset, label, values in (
+        (-0.27, "deviceless", [r["deviceless"]["memory"]["total"] / 2**30 for r in rows]),
+        (0.0, "GPU compile", [r["gpu"]["memory"]["total"] / 2**30 for r in rows]),
+        (0.27, "allocator peak", [r["gpu"]["allocator_peak"] / 2**30 for r in rows]),
+    ):
+        left.bar([i + offset for i in x], values, width=0.27, label=label)
+    left.set_ylabel("GiB per device")
+    left.set_title("memory")
+    left.legend()
+    right.bar([i - 0.2 for i in x], [r["gpu"]["step_s"] for r in rows], 0.4, label="measured")
+    right.bar([i + 0.2 for i in x], [r["deviceless"]["roofline_s"] for r in rows], 0.4,
+              label="deviceless roofline")  # fmt: skip
+    right.set_ylabel("seconds per step")
+    right.set_title("step time")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(list(x), names, rotation=20, fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        for case in args.cases:
+            _case(case)
+        targets.load(args.target)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.child:
+        run = _on_gpu if args.child == "gpu" else _deviceless
+        try:
+            report = run(args, args.cases[0])
+        except ValueError as e:  # no GPU here, or no compiler for the target
+            report = {"error": str(e)}
+        print(_RESULT + json.dumps(report), flush=True)
+        return 0
+    # This process never starts jax: its GPU stays free for each case's own process.
+    rows = []
+    for case in args.cases:
+        print(f"{case}: on this GPU", file=sys.stderr, flush=True)
+        gpu = _child(args, "gpu", case)
+        if gpu.get("error") == _NO_GPU:
+            print(f"error: {gpu['error']}", file=sys.stderr)
+            return 2
+        print(f"{case}: deviceless compile for {args.target}", file=sys.stderr, flush=True)
+        rows.append(_row(case, _child(args, "deviceless", case), gpu))
+    _print(rows)
+    out = Path(args.out_dir)
+    config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "child")}
+    write_json(out, "device", {"config": config, "rows": rows})
+    _plot(rows, out / "device.png")
+    return 0
