@@ -45,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out_dir", default="bench_out")
-    p.add_argument("--child", choices=["gpu", "deviceless"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"
+    )
+    p.add_argument("--child", choices=["gpu", "deviceless", "torch"], help=argparse.SUPPRESS)
     return p
 
 
@@ -155,6 +158,48 @@ def _on_gpu(args, case: str) -> dict:
     }
 
 
+def _transformers(args, case: str, device: str = "cuda") -> dict:
+    """transformers' PyTorch LongT5 of the same size, batch and precision (float32 weights,
+    bf16 autocast, AdamW; gradient checkpointing where our case rematerialises) on this GPU."""
+    import torch
+    import transformers
+
+    from longt5_jax import hf
+    from longt5_jax.bench.pipeline import random_batch
+    from longt5_jax.bench.train_steps import torch_inputs
+    from longt5_jax.model import LongT5Config
+
+    model, length, b, remat = _case(case)
+    config = LongT5Config.preset(model, args.attention)
+    net = transformers.LongT5ForConditionalGeneration(
+        transformers.LongT5Config(**hf.config_to_hf(config))
+    ).to(device)
+    net.config.use_cache = False  # training: no decoder cache
+    if remat != "none":
+        net.gradient_checkpointing_enable()
+    net.train()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=device == "cuda")
+    features = random_batch(b, length, args.target_length, config.vocab_size)
+    inputs = {k: v.to(device) for k, v in torch_inputs(features).items()}
+    times = []
+    for i in range(args.warmup + args.steps):
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = net(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        float(loss.detach())  # waits for the step
+        if i >= args.warmup:
+            times.append(time.perf_counter() - began)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    return {
+        "version": transformers.__version__,
+        "step_s": statistics.median(times),
+        "allocator_peak": int(peak),
+    }
+
+
 def _child(args, kind: str, case: str) -> dict:
     """Run one case's `kind` in a process of its own; its report comes back on stdout."""
     env = dict(os.environ)
@@ -186,7 +231,7 @@ def _print(rows: list[dict]) -> None:
     gib = 2**30
     head = (
         f"{'case':24} {'step s':>7} {'tok/s':>8} {'MFU':>6} {'HFU':>6} {'dl GiB':>7} "
-        f"{'gpu GiB':>7} {'alloc':>7} {'mem r':>6} {'roof s':>7} {'t/roof':>6}"
+        f"{'gpu GiB':>7} {'alloc':>7} {'mem r':>6} {'roof s':>7} {'t/roof':>6} {'vs HF':>6}"
     )
     print(head)
     for r in rows:
@@ -198,7 +243,7 @@ def _print(rows: list[dict]) -> None:
             f"{r['case']:24} {g['step_s']:7.3f} {g['tokens_per_s']:8.0f} {g['mfu']:6.1%} "
             f"{g['hfu']:6.1%} {d['memory']['total'] / gib:7.2f} {g['memory']['total'] / gib:7.2f} "
             f"{g['allocator_peak'] / gib:7.2f} {r['memory_ratio']:6.3f} {d['roofline_s']:7.3f} "
-            f"{r['time_over_roofline']:6.2f}"
+            f"{r['time_over_roofline']:6.2f} {r.get('speedup_over_transformers', 0):6.2f}"
         )
 
 
@@ -240,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.child:
-        run = _on_gpu if args.child == "gpu" else _deviceless
+        run = {"gpu": _on_gpu, "deviceless": _deviceless, "torch": _transformers}[args.child]
         try:
             report = run(args, args.cases[0])
         except ValueError as e:  # no GPU here, or no compiler for the target
@@ -257,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"{case}: deviceless compile for {args.target}", file=sys.stderr, flush=True)
         rows.append(_row(case, _child(args, "deviceless", case), gpu))
+        if args.transformers:
+            print(f"{case}: transformers on this GPU", file=sys.stderr, flush=True)
+            rows[-1]["transformers"] = torch = _child(args, "torch", case)
+            if "step_s" in torch and "step_s" in gpu:
+                rows[-1]["speedup_over_transformers"] = torch["step_s"] / gpu["step_s"]
     _print(rows)
     out = Path(args.out_dir)
     config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "child")}

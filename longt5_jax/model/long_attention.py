@@ -15,6 +15,8 @@ each contiguous segment) are exact: no attention and no global aggregate crosses
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -193,14 +195,51 @@ class LongSelfAttention(nn.Module):
     def _side_bias(
         self, segment_ids: jax.Array, blocks: GlobalBlocks, table_HR: jax.Array, num_globals: int
     ) -> jax.Array:
-        """[B, H, N, W, G]: side relative-position bias plus the same-segment mask."""
+        """[B, H, N, W, G]: side relative-position bias plus the same-segment mask.
+
+        A token's bias to global g depends on g - q alone (q its own global block, -1 for
+        none): it is read from the bias of each of the 2G distances (`shifted_rows`).
+        """
         c, w = self.config, self.config.block_len
-        block_ids_BNW = split_blocks(blocks.block_ids, w)
         seg_BNW = split_blocks(segment_ids, w)
-        rel_BNWG = jnp.arange(num_globals) - block_ids_BNW[..., None]
+        if num_globals == 0:  # inputs shorter than a global block: no side keys
+            return jnp.zeros((*seg_BNW.shape[:1], table_HR.shape[0], *seg_BNW.shape[1:], 0))
+        distances = jnp.arange(2 * num_globals) - num_globals + 1
         buckets = relpos.relative_position_bucket(
-            rel_BNWG, True, c.relpos_buckets, c.relpos_max_distance
+            distances, True, c.relpos_buckets, c.relpos_max_distance
         )
-        bias_BHNWG = relpos.lookup(table_HR, buckets, heads_axis=1)
+        by_distance_HD = jnp.take(table_HR, buckets, axis=1)
+        shift_BNW = split_blocks(blocks.block_ids, w) + 1
+        bias_BHNWG = shifted_rows(by_distance_HD, shift_BNW, num_globals)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
         return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def shifted_rows(v_HD: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array:
+    """[B, H, N, W, cols] with out[b, h, n, w, g] = v[h, g - shift[b, n, w] + cols], for shifts
+    in [0, cols] (D = 2 cols).
+
+    The gradient gathers instead of scattering: autodiff of the gather would scatter-add all
+    B*H*L*G cotangents into the 2G*H entries of v, which on a GPU serialises on atomics (79% of
+    a 16k-token base step on an H100, 1.3 of 1.7 s); here each entry of v sums the cotangents
+    found at its distance along every row, a gather fused into a reduction.
+    """
+    index_BNWG = jnp.arange(cols) - shift_BNW[..., None] + cols
+    return jnp.moveaxis(jnp.take(v_HD, index_BNWG, axis=1), 0, 1)
+
+
+def _shifted_rows_fwd(v_HD, shift_BNW, cols):
+    return shifted_rows(v_HD, shift_BNW, cols), shift_BNW
+
+
+def _shifted_rows_bwd(cols, shift_BNW, cotangent_BHNWG):
+    index_BNWD = jnp.arange(2 * cols) + shift_BNW[..., None] - cols
+    index_BNWD = jnp.where(index_BNWD < 0, cols, index_BNWD)  # negative would count from the end
+    found_BHNWD = jnp.take_along_axis(
+        cotangent_BHNWG, index_BNWD[:, None], axis=-1, mode="fill", fill_value=0
+    )
+    return found_BHNWD.sum((0, 2, 3)), None
+
+
+shifted_rows.defvjp(_shifted_rows_fwd, _shifted_rows_bwd)
