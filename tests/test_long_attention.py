@@ -15,6 +15,7 @@ from longt5_jax.model.long_attention import (
     LongSelfAttention,
     global_blocks,
     relative_positions_3block,
+    shifted_rows,
 )
 
 _global_blocks = jax.jit(global_blocks, static_argnums=2)
@@ -241,3 +242,20 @@ def test_relative_position_buckets_match_transformers(buckets, max_distance):
         )
         assert (np.asarray(ours) == theirs.numpy()).all()
     assert math.isfinite(float(max_distance))
+
+
+def test_shifted_rows_and_their_gathered_gradient_equal_a_plain_gather():
+    """Every shift from 0 to cols, so both ends of the 2 cols distances are read."""
+    cols = 6
+    v = jax.random.normal(jax.random.key(0), (2, 3, 2 * cols))
+    shift = jnp.arange(2 * 4 * 7).reshape(2, 4, 7) % (cols + 1)
+    cotangent = jax.random.normal(jax.random.key(1), (2, 3, 4, 7, cols))
+
+    def plain(v):  # out[b, h, n, w, g] = v[b, h, g - shift + cols], element by element
+        b, h, n, w, g = np.indices((2, 3, 4, 7, cols))
+        return v[b, h, g - np.asarray(shift)[b, n, w] + cols]
+
+    out, pull = jax.vjp(lambda v: shifted_rows(v, shift, cols), v)
+    want, want_pull = jax.vjp(plain, v)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_allclose(pull(cotangent)[0], want_pull(cotangent)[0], rtol=1e-6, atol=1e-6)

@@ -210,15 +210,18 @@ class LongSelfAttention(nn.Module):
         )
         by_distance_HD = jnp.take(table_HR, buckets, axis=1)
         shift_BNW = split_blocks(blocks.block_ids, w) + 1
-        bias_BHNWG = shifted_rows(by_distance_HD, shift_BNW, num_globals)
+        # One copy per row, typed like the rows: inside a shard_map the rows vary over its axes
+        # and the table does not, and a custom gradient must come back typed as it went in.
+        by_distance_BHD = jnp.where((shift_BNW[:, :1, :1] >= 0), by_distance_HD, 0.0)
+        bias_BHNWG = shifted_rows(by_distance_BHD, shift_BNW, num_globals)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
         return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def shifted_rows(v_HD: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array:
-    """[B, H, N, W, cols] with out[b, h, n, w, g] = v[h, g - shift[b, n, w] + cols], for shifts
-    in [0, cols] (D = 2 cols).
+def shifted_rows(v_BHD: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array:
+    """[B, H, N, W, cols] with out[b, h, n, w, g] = v[b, h, g - shift[b, n, w] + cols], for
+    shifts in [0, cols] (D = 2 cols).
 
     The gradient gathers instead of scattering: autodiff of the gather would scatter-add all
     B*H*L*G cotangents into the 2G*H entries of v, which on a GPU serialises on atomics (79% of
@@ -226,11 +229,11 @@ def shifted_rows(v_HD: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array:
     found at its distance along every row, a gather fused into a reduction.
     """
     index_BNWG = jnp.arange(cols) - shift_BNW[..., None] + cols
-    return jnp.moveaxis(jnp.take(v_HD, index_BNWG, axis=1), 0, 1)
+    return jax.vmap(lambda v_HD, index: jnp.take(v_HD, index, axis=1))(v_BHD, index_BNWG)
 
 
-def _shifted_rows_fwd(v_HD, shift_BNW, cols):
-    return shifted_rows(v_HD, shift_BNW, cols), shift_BNW
+def _shifted_rows_fwd(v_BHD, shift_BNW, cols):
+    return shifted_rows(v_BHD, shift_BNW, cols), shift_BNW
 
 
 def _shifted_rows_bwd(cols, shift_BNW, cotangent_BHNWG):
@@ -239,7 +242,7 @@ def _shifted_rows_bwd(cols, shift_BNW, cotangent_BHNWG):
     found_BHNWD = jnp.take_along_axis(
         cotangent_BHNWG, index_BNWD[:, None], axis=-1, mode="fill", fill_value=0
     )
-    return found_BHNWD.sum((0, 2, 3)), None
+    return found_BHNWD.sum((2, 3)), None
 
 
 shifted_rows.defvjp(_shifted_rows_fwd, _shifted_rows_bwd)
