@@ -59,3 +59,17 @@ def test_decode_benchmark_races_transformers_on_the_same_tokens(tmp_path):
     for row in rows:
         assert row["same_tokens"] and 0 < row["decoded_tokens"] <= 8
         assert row["summaries_per_s"] == 1 / row["seconds"] and row["speedup"] > 0
+
+
+def test_device_benchmark_refuses_bad_cases_and_a_machine_without_a_gpu(tmp_path, capsys):
+    from longt5_jax.bench import device
+
+    assert device.main(["--cases", "base:4096", "--out_dir", str(tmp_path)]) == 2
+    assert "expected MODEL:INPUT_LENGTH:BATCH[:REMAT]" in capsys.readouterr().err
+    assert device.main(["--cases", "base:4096:2:some", "--out_dir", str(tmp_path)]) == 2
+    assert "remat 'some' is not none, full or save_dots" in capsys.readouterr().err
+    # The GPU run is a process of its own; on this CPU-only machine it reports no GPU.
+    assert device.main(["--cases", "tiny:64:2:none", "--out_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"error: {device._NO_GPU}"
+    assert not (tmp_path / "device.json").exists()
