@@ -247,11 +247,16 @@ def scale_by_layer_factored_rms(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def moment_axes(field: str, path: KeyPath, shape: Sequence[int]) -> tuple[int, ...]:
-    """The axes of a parameter of `shape` that its state leaf `field` keeps, in order: a
-    factored moment keeps the batch axes and its side's axes (`v_row`: rows, `v_col`:
-    columns); any other field keeps them all. Whether the leaf is factored at all is its shape's
-    business: a placeholder [1] keeps none, and the caller sees the mismatch."""
+def moment_axes(state_path: KeyPath, path: KeyPath, shape: Sequence[int]) -> tuple[int, ...]:
+    """The axes of a parameter (at `path`, of `shape`) that the optimizer-state leaf at
+    `state_path` keeps, in order: a factored moment keeps the batch axes and its side's axes
+    (`v_row`: rows, `v_col`: columns); any other field keeps them all. Whether the leaf is
+    factored at all is its shape's business: a placeholder [1] keeps none, and the caller sees
+    the mismatch."""
+    return _kept_axes((_key_names(state_path) or ("",))[-1], path, shape)
+
+
+def _kept_axes(field: str, path: KeyPath, shape: Sequence[int]) -> tuple[int, ...]:
     f = factoring(path, shape, 1)
     if field == "v_row" and f.rows:
         return tuple(a for a in range(len(shape)) if a not in f.cols)
@@ -267,7 +272,7 @@ def _moment_shapes(
     if not factoring(path, shape, min_dim).rows:
         return (1,), (1,), tuple(shape)
     keep_rows, keep_cols = (
-        tuple(shape[a] for a in moment_axes(field, path, shape)) for field in ("v_row", "v_col")
+        tuple(shape[a] for a in _kept_axes(field, path, shape)) for field in ("v_row", "v_col")
     )
     return keep_rows, keep_cols, (1,)
 

@@ -94,22 +94,6 @@ def _deviceless(args, case: str) -> dict:
     }
 
 
-def _bf16_matmul_flops(size: int = 8192, repeats: int = 10) -> float:
-    """Best-of-`repeats` bf16 FLOP/s of one size^3 matmul on the default device."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
-    product = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(product(a))
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        jax.block_until_ready(product(a))
-        best = min(best, time.perf_counter() - began)
-    return 2.0 * size**3 / best
-
-
 def _on_gpu(args, case: str) -> dict:
     """The step compiled for and run on this process's GPU."""
     import jax
@@ -117,6 +101,7 @@ def _on_gpu(args, case: str) -> dict:
 
     from longt5_jax import flops
     from longt5_jax.bench.pipeline import random_batch
+    from longt5_jax.bench.train_steps import peak_matmul_flops
     from longt5_jax.plan import hlo
 
     if jax.default_backend() != "gpu":
@@ -139,7 +124,8 @@ def _on_gpu(args, case: str) -> dict:
     seconds = statistics.median(times)
     model_flops = flops.train_flops_per_step(config, b, length, target_length)
     executed = flops.executed_flops_per_step(config, b, length, target_length, remat)
-    measured_peak = _bf16_matmul_flops()
+    bf16 = peak_matmul_flops(8192, chain=1, repeats=10, dtype=jnp.bfloat16)
+    measured_peak = bf16["flops_per_s"]
     peak = targets.load(args.target).figures.peak_tflops * 1e12
     return {
         "device": device.device_kind,

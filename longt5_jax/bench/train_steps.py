@@ -155,12 +155,14 @@ class TorchProcess:
         self._process.join(timeout=60)
 
 
-def peak_matmul_flops(size: int = 2048, chain: int = 4, repeats: int = 5) -> dict:
-    """Best-of-`repeats` float32 FLOP/s of `chain` dependent size x size matmuls in one jit."""
+def peak_matmul_flops(
+    size: int = 2048, chain: int = 4, repeats: int = 5, dtype: Any = jnp.float32
+) -> dict:
+    """Best-of-`repeats` FLOP/s of `chain` dependent size x size matmuls in `dtype`, one jit."""
     key_a, key_b = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(key_a, (size, size), jnp.float32)
+    a = jax.random.normal(key_a, (size, size), dtype)
     # Scaled so that the chained products stay O(1) (no overflow, no denormals).
-    b = jax.random.normal(key_b, (size, size), jnp.float32) / np.sqrt(size)
+    b = (jax.random.normal(key_b, (size, size), jnp.float32) / np.sqrt(size)).astype(dtype)
 
     @jax.jit
     def chained(a, b):

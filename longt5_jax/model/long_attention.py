@@ -212,7 +212,7 @@ class LongSelfAttention(nn.Module):
         shift_BNW = split_blocks(blocks.block_ids, w) + 1
         # One copy per row, typed like the rows: inside a shard_map the rows vary over its axes
         # and the table does not, and a custom gradient must come back typed as it went in.
-        by_distance_BHD = jnp.where((shift_BNW[:, :1, :1] >= 0), by_distance_HD, 0.0)
+        by_distance_BHD = jnp.where(shift_BNW[:, :1, :1] >= 0, by_distance_HD, 0.0)
         bias_BHNWG = shifted_rows(by_distance_BHD, shift_BNW, num_globals)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
         return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]

@@ -39,7 +39,7 @@ def tree_shardings(boxed: Any, mesh: Mesh, use: Use, zero_stage: int) -> Any:
     return nn.logical_to_mesh_sharding(specs, mesh, rules(use, zero_stage, pipelined=pipelined))
 
 
-KeptAxes = Callable[[str, tuple, tuple[int, ...]], tuple[int, ...]]
+KeptAxes = Callable[[tuple, tuple, tuple[int, ...]], tuple[int, ...]]
 
 
 def optimizer_shardings(
@@ -48,8 +48,8 @@ def optimizer_shardings(
     """Shardings for optimizer state: every params-shaped subtree follows `param_shardings`.
 
     A leaf keeps the split of each parameter axis it keeps, as the optimizer says:
-    `kept_axes(field, param path, param shape)` (e.g. Adafactor's factored moments keep the rows
-    or the columns); a leaf of another shape (a placeholder) is replicated.
+    `kept_axes(state path, param path, param shape)` (e.g. Adafactor's factored moments keep
+    the rows or the columns); a leaf of another shape (a placeholder) is replicated.
     """
     param_def = jax.tree.structure(params)
     param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -57,7 +57,6 @@ def optimizer_shardings(
     def one(state_path, node):
         if jax.tree.structure(node) != param_def:
             return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), node)
-        field = _last_name(state_path)
         leaves = zip(
             param_paths,
             jax.tree.leaves(node),
@@ -67,7 +66,7 @@ def optimizer_shardings(
         )
         specs = []
         for path, x, p, s in leaves:
-            axes = kept_axes(field, path, p.shape)
+            axes = kept_axes(state_path, path, p.shape)
             entries = tuple(s.spec) + (None,) * (p.ndim - len(s.spec))
             if x.shape != tuple(p.shape[a] for a in axes):
                 specs.append(PartitionSpec())
@@ -78,12 +77,3 @@ def optimizer_shardings(
     return jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == param_def
     )
-
-
-def _last_name(path: tuple) -> str:
-    """The innermost field or key name along a pytree key path ('' at the root)."""
-    for k in reversed(path):
-        for attr in ("name", "key"):
-            if isinstance(getattr(k, attr, None), str):
-                return getattr(k, attr)
-    return ""
