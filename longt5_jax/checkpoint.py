@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from longt5_jax.cli import UsageError
 from longt5_jax.model.config import LongT5Config
 
 
@@ -36,7 +37,7 @@ class CheckpointConfig:
             raise ValueError(f"{self}: expected save_every >= 1, keep >= 1, keep_every >= 0")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A path that is not a usable checkpoint, in one line."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import gin
 
 from longt5_jax.checkpoint import CheckpointConfig
+from longt5_jax.cli import UsageError
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.decode import DecodeConfig
 from longt5_jax.evaluation import EvalConfig
@@ -43,7 +44,7 @@ CONFIGURABLE = {
 _SEARCH_PATHS: list[str] = []
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A gin file or binding that cannot be used, in one line."""
 
 

@@ -19,7 +19,7 @@ def test_concurrent_ops_share_wall_time_and_gaps_are_idle():
     assert sum(share.values()) + idle == span
 
 
-ENC = "jit(train_step)/LongT5.encode/encoder/while/body/layers/mlp/mul"
+ENC = "jit(train_step)/LongT5.encode/encoder/while/body/closed_call/EncoderLayer/mlp/mul"
 DEC = "jit(train_step)/LongT5.decode/decoder/while/body/layers/self_attention/query/dot_general"
 HLO = "\n".join(
     [

@@ -333,14 +333,14 @@ def test_convert_refuses_to_overwrite_and_drops_stale_shards(tmp_path: Path, cap
     argv = ["--input", str(source), "--output_dir", str(out)]
     assert convert.main([*argv, "--num_shards", "2"]) == 0
     before = {p: p.read_bytes() for p in out.iterdir()}
-    assert convert.main([*argv, "--num_shards", "2"]) == 1
+    assert convert.main([*argv, "--num_shards", "2"]) == 2
     existing = out / "train-00000-of-00002.array_record"
     assert f"{existing} already exists" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in out.iterdir()} == before
     assert convert.main([*argv, "--num_shards", "1", "--overwrite"]) == 0
     assert [p.name for p in out.iterdir()] == ["train-00000-of-00001.array_record"]
     missing = ["--input", str(tmp_path / "none.jsonl"), "--output_dir", str(tmp_path / "new")]
-    assert convert.main(missing) == 1
+    assert convert.main(missing) == 2
     assert "no files match" in capsys.readouterr().err
 
 

@@ -85,7 +85,9 @@ def wall_shares(events: list[dict]) -> tuple[dict[int, float], float, float]:
 def group_of(path: str, matmul: bool) -> str:
     """'encoder attention matmul'-style row name from an op's model path."""
     stack = "encoder" if "encode" in path else "decoder" if "decode" in path else "outside stacks"
-    module = re.search(r"layers/([a-z_]+)", path)
+    # A layer's ops sit under its module: `.../EncoderLayer/attention/...` inside the scanned
+    # stack's body (`layers/attention` where the stack is unrolled).
+    module = re.search(r"(?:layers|Layer)/([a-z_]+)", path)
     # Ops without metadata: the optimizer update, scan residual buffers, split reductions.
     where = module.group(1) if module else ("no model path" if not path else "")
     return " ".join(x for x in (stack, where, "matmul" if matmul else "other") if x)

@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     size = sum(p.stat().st_size for p in paths)
     print(f"read {source!r}")
     print(

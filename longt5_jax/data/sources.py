@@ -32,6 +32,7 @@ import zstandard
 from array_record.python import array_record_module
 from grain.sources import ArrayRecordDataSource
 
+from longt5_jax.cli import UsageError
 from longt5_jax.data import cache_dir
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Bad input data or paths, in one line naming the file, the place in it and the field."""
 
 
@@ -401,10 +402,15 @@ def open_source(
     files = _expand(paths)
     fmt = format or _infer_format(files)
     if fmt == "jsonl":
-        return JsonlSource(files, input_field, target_field, skip_bad_records)
-    if fmt == "parquet":
-        return ParquetSource(files, input_field, target_field, skip_bad_records)
-    if fmt == "array_record":
+        source = JsonlSource(files, input_field, target_field, skip_bad_records)
+    elif fmt == "parquet":
+        source = ParquetSource(files, input_field, target_field, skip_bad_records)
+    elif fmt == "array_record":
         # skip_bad_records does not apply: convert.py wrote only records that passed validation.
-        return ArrayRecordSource(files, input_field, target_field)
-    raise DataError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})")
+        source = ArrayRecordSource(files, input_field, target_field)
+    else:
+        raise DataError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})")
+    if not len(source):  # a stream over no records would end before its first batch
+        shown = files[0] if len(files) == 1 else f"{files[0]} ... ({len(files)} files)"
+        raise DataError(f"{shown}: no records")
+    return source

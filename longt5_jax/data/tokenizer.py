@@ -18,6 +18,7 @@ import numpy as np
 import sentencepiece as spm
 
 from longt5_jax.data import cache_dir
+from longt5_jax.data.sources import DataError
 
 EXTRA_IDS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -31,7 +32,7 @@ class Tokenizer:
         they came from (a checkpoint)."""
         path = Path(model_path)
         if proto is None and not path.is_file():
-            raise FileNotFoundError(f"{path}: SentencePiece model not found")
+            raise DataError(f"{path}: SentencePiece model not found")
         self.path = path
         self._proto = path.read_bytes() if proto is None else proto
         self._sp = self._load()
@@ -46,9 +47,9 @@ class Tokenizer:
         try:
             sp.LoadFromSerializedProto(self._proto)
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"{self.path}: not a SentencePiece model ({e})") from None
+            raise DataError(f"{self.path}: not a SentencePiece model ({e})") from None
         if (sp.pad_id(), sp.eos_id()) != (PAD_ID, EOS_ID):
-            raise ValueError(
+            raise DataError(
                 f"{self.path}: pad/eos ids are {sp.pad_id()}/{sp.eos_id()}, "
                 f"expected T5's {PAD_ID}/{EOS_ID}"
             )
