@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from longt5_jax import configuration
 from longt5_jax.data import batching, preview
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset, open_split
+from longt5_jax.data.sources import DataError
 from longt5_jax.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer
 
 SMALL = DataConfig(input_length=256, target_length=64, batch_size=4, tokenizer_vocab_size=2000)
@@ -49,7 +50,7 @@ def test_trained_tokenizer_is_cached_by_content(tokenizer):
 
 
 def test_bad_tokenizer_files_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.model: SentencePiece model not found"):
+    with pytest.raises(DataError, match="missing.model: SentencePiece model not found"):
         Tokenizer(tmp_path / "missing.model")
     (tmp_path / "bad.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="bad.model: not a SentencePiece model"):
