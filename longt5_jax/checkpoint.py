@@ -369,12 +369,13 @@ def restore_params(path: str | Path, abstract_params: Any) -> Any:
     skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)  # orbax skips these
     item = skip | {"params": abstract_params}
     restore_args = skip | {"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)}
+    quiet_failed_reads()
     try:
         out = ocp.PyTreeCheckpointer().restore(
             step_dir / "state", args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
         )
-    except (ValueError, TypeError, KeyError, OSError) as e:
-        raise CheckpointError(f"{step_dir}: {unreadable(e)}") from None
+    except Exception as e:  # orbax passes on tensorstore's read errors as bare Exceptions
+        raise DamagedCheckpoint(f"{step_dir}: {unreadable(e)}") from None
     return out["params"]
 
 

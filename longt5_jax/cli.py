@@ -10,10 +10,13 @@ CUDA-plugin traceback on a machine without a GPU) is cut down or silenced before
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +25,36 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 
 class UsageError(ValueError):
     """Bad input the user can fix, said in one line naming the file, field or value."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`prog: message`, exit 2 through `run`) instead of a
+    usage block; `--help` is unchanged."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def new_file(text: str) -> Path:
+    """An argparse type: a file to write, whose directory exists; an existing directory is
+    refused before any work starts."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, expected a file path")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path.parent} is not an existing directory")
+    return path
 
 
 def _raised_here(e: BaseException) -> bool:
@@ -44,8 +77,8 @@ def _third_party_input_error(e: BaseException) -> bool:
 
 def one_line(e: BaseException) -> str | None:
     """The one line a known error is said in, or None for a bug (keep its traceback)."""
-    if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.filename}: {e.strerror or e}"
+    if isinstance(e, OSError):  # a path that is missing, not a directory, not writable
+        return f"{e.filename}: {e.strerror or e}" if e.filename is not None else str(e)
     if isinstance(e, UsageError) or (isinstance(e, ValueError) and _raised_here(e)):
         text = str(e)
     elif _third_party_input_error(e):
@@ -56,13 +89,17 @@ def one_line(e: BaseException) -> str | None:
 
 
 class _PluginTraceback(logging.Filter):
-    """jax logs a CUDA plugin that cannot start (the `gpu` extra on a machine without a GPU) with
-    a traceback; one line says the same."""
+    """jax logs a GPU plugin that cannot start with a traceback. Where no GPU driver answers at
+    all (the `gpu` extra, which compiles GPU programs deviceless, on a CPU-only machine) there is
+    nothing to fix and nothing is said; any other failure is said in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and "plugin" in record.getMessage().lower():
-            reason = str(record.exc_info[1]).splitlines()[0][:200]
-            record.msg, record.args, record.exc_info = f"{record.getMessage()}: {reason}", (), None
+        if not (record.exc_info and "plugin" in record.getMessage().lower()):
+            return True
+        reason = str(record.exc_info[1]).strip().splitlines()[0][:200]
+        if "cuInit(0) failed" in reason:
+            return False
+        record.msg, record.args, record.exc_info = f"{record.getMessage()}: {reason}", (), None
         return True
 
 
@@ -72,6 +109,17 @@ def quiet_third_party() -> None:
     logging.getLogger("jax._src.xla_bridge").addFilter(_PluginTraceback())
     for name in ("absl", "orbax", "asyncio"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def cpu_devices(count: int) -> None:
+    """`count` fake CPU devices for a machine without an accelerator (0: leave it). Possible
+    only before jax's backend starts; a process that already has its devices (a test, a
+    process started with XLA's host device count) keeps them."""
+    import jax
+
+    if count and jax.config.jax_platforms in (None, "", "cpu"):
+        with contextlib.suppress(RuntimeError):  # the backend has started: keep its devices
+            jax.config.update("jax_num_cpu_devices", count)
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ file or binding; values are checked against the dataclass field types.
 from __future__ import annotations
 
 import re
+import tokenize
 import types
 import typing
 from collections.abc import Sequence
@@ -79,7 +80,9 @@ def parse(files: Sequence[str], bindings: Sequence[str] = ()) -> None:
             raise ConfigError(f"{f}: gin file not found")
     try:
         gin.parse_config_files_and_bindings(list(files), list(bindings))
-    except (ValueError, SyntaxError, KeyError, OSError) as e:
+    except (SyntaxError, tokenize.TokenError) as e:
+        raise ConfigError(_unparsable(files, bindings, e)) from None
+    except (ValueError, KeyError, OSError) as e:
         required = re.match(r"(\S+?)(/macro\.value)? set to `%gin\.REQUIRED`", str(e))
         if required:
             name = required.group(1)
@@ -89,6 +92,57 @@ def parse(files: Sequence[str], bindings: Sequence[str] = ()) -> None:
         where = " ".join(line.strip() for line in str(e).splitlines()[1:])
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{first} ({where})" if where else first) from None
+
+
+def _unparsable(files: Sequence[str], bindings: Sequence[str], error: Exception) -> str:
+    """The binding or file that is not gin, found by parsing each alone (gin's own error does
+    not say which: a binding's unclosed bracket reads as the end of a multi-line statement)."""
+    delegate = gin.config.ParserDelegate(skip_unknown=True)
+    texts = [(f"--gin.{b.replace(' = ', '=', 1)}", b) for b in bindings]
+    texts += [(f, Path(f).read_text()) for f in files]
+    for name, text in texts:
+        try:
+            list(gin.config_parser.ConfigParser(text, delegate))
+        except (SyntaxError, tokenize.TokenError) as e:
+            reason = e.msg if isinstance(e, SyntaxError) else e.args[0]
+            return f"{name}: not valid gin ({reason})"
+    return f"not valid gin ({error})"
+
+
+SECTIONS = {
+    "run": RunConfig,
+    "model": LongT5Config,
+    "data": DataConfig,
+    "mesh": MeshConfig,
+    "optim": OptimizerConfig,
+    "step": StepConfig,
+    "ckpt": CheckpointConfig,
+    "eval": EvalConfig,
+    "decode": DecodeConfig,
+}
+
+
+def from_args(
+    argv: Sequence[str],
+    sections: Sequence[str] = tuple(SECTIONS),
+    *,
+    flags: Sequence[str] = (),
+    preset: Sequence[str] = (),
+    file_required: str = "",
+) -> tuple[dict[str, typing.Any], set[str]]:
+    """The gin front end of every command: `--gin_file`s and `--gin.NAME=VALUE`s from `argv`
+    (besides the bare `flags` it allows), parsed with the `preset` bindings first (a command's
+    own values, which the user's bindings still override), and the named `sections` built.
+    Returns them and the flags given; `file_required` is the error when no gin file is given."""
+    files, bindings, rest = split_gin_args(argv)
+    unknown = [a for a in rest if a not in flags]
+    if unknown:
+        allowed = ", ".join(["--gin_file", "--gin.NAME=VALUE", *flags])
+        raise ConfigError(f"unknown arguments {unknown}: expected {allowed}")
+    if file_required and not files:
+        raise ConfigError(file_required)
+    parse(files, [*preset, *bindings])
+    return {name: build(SECTIONS[name]) for name in sections}, set(rest)
 
 
 def build(cls: type) -> typing.Any:

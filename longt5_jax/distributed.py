@@ -15,6 +15,8 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
+from longt5_jax.cli import UsageError
+
 PORT = 61337  # the coordinator's default port (offset by the job id under SLURM)
 
 
@@ -99,15 +101,22 @@ def initialize(processes: Processes | None, cpu_devices: int, heartbeat_s: int =
     on_cpu = jax.config.jax_platforms in (None, "", "cpu") and cpu_devices > 0
     if on_cpu:  # fake CPU devices per process, reduced over gloo across processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        processes.coordinator_address,
-        processes.num_processes,
-        processes.process_id,
-        local_device_ids=None if on_cpu else processes.local_device_ids,
-        # A dead peer is declared after this long without heartbeats; the survivors then stop.
-        heartbeat_timeout_seconds=heartbeat_s,
-        initialization_timeout=120,
-    )
+    try:
+        jax.distributed.initialize(
+            processes.coordinator_address,
+            processes.num_processes,
+            processes.process_id,
+            local_device_ids=None if on_cpu else processes.local_device_ids,
+            # A dead peer is declared after this long without heartbeats; the survivors then stop.
+            heartbeat_timeout_seconds=heartbeat_s,
+            initialization_timeout=120,
+        )
+    except RuntimeError as e:  # unreachable coordinator, a peer that never came, a port in use
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--coordinator_address={processes.coordinator_address}: process "
+            f"{processes.process_id} of {processes.num_processes} could not join ({reason})"
+        ) from None
     if not os.environ.get("LONGT5_JAX_PREFIXED"):  # the local launcher prefixes for us
         prefix = f"[{processes.process_id}/{processes.num_processes}] "
         sys.stdout = _Prefixed(sys.stdout, prefix)

@@ -14,12 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+from longt5_jax import cli
+
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m longt5_jax.evaluate", description=__doc__)
+    parser = cli.ArgumentParser(prog="python -m longt5_jax.evaluate", description=__doc__)
     parser.add_argument("--checkpoint", required=True, help="a step directory or a MODEL_DIR")
     parser.add_argument("--split", default="", help="default: EvalConfig.split")
-    parser.add_argument("--limit", type=int, default=0, help="only the first N examples")
+    parser.add_argument("--limit", type=int, default=0, help="only the first N examples (0: all)")
     parser.add_argument("--output_dir", default="", help="default: MODEL_DIR/eval/step_<N>")
     parser.add_argument("--tokenizer", default="", help="for a checkpoint saved without one")
     return parser.parse_known_args(argv)
@@ -31,22 +33,16 @@ def _model_dir(step_dir: Path) -> Path:
 
 
 def _configure(argv: list[str], step_dir: Path) -> dict:
-    from longt5_jax import configuration as conf
+    from longt5_jax import configuration
 
-    files, bindings, rest = conf.split_gin_args(argv)
-    if rest:
-        raise conf.ConfigError(f"unknown arguments {rest}: expected --gin_file or --gin.NAME=VALUE")
-    if not files:
-        raise conf.ConfigError("--gin_file is required (a run's MODEL_DIR/config.gin works)")
-    # MODEL_DIR is required by run configs; here it is the checkpoint's (unless bound again).
-    conf.parse(files, [f"MODEL_DIR = '{_model_dir(step_dir)}'", *bindings])
-    return {
-        "run": conf.build(conf.RunConfig),
-        "data": conf.build(conf.DataConfig),
-        "mesh": conf.build(conf.MeshConfig),
-        "eval": conf.build(conf.EvalConfig),
-        "decode": conf.build(conf.DecodeConfig),
-    }
+    cfg, _ = configuration.from_args(
+        argv,
+        ("run", "data", "mesh", "eval", "decode"),
+        # Run configs require a MODEL_DIR: here it is the checkpoint's (unless bound again).
+        preset=[f"MODEL_DIR = '{_model_dir(step_dir)}'"],
+        file_required="--gin_file is required (a run's MODEL_DIR/config.gin works)",
+    )
+    return cfg
 
 
 def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
@@ -100,21 +96,21 @@ def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from longt5_jax.checkpoint import CheckpointError, resolve
-    from longt5_jax.configuration import ConfigError
-    from longt5_jax.data.sources import DataError
+    return cli.run(_main, argv)
 
-    args, rest = _parse(sys.argv[1:] if argv is None else argv)
-    try:
-        step_dir = resolve(args.checkpoint)
-        cfg = _configure(rest, step_dir)
-        from longt5_jax.train import _use_cpu_devices
 
-        _use_cpu_devices(cfg["run"].cpu_devices)
-        metrics = evaluate(args, cfg, step_dir)
-    except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _main(argv: list[str]) -> int:
+    from longt5_jax.checkpoint import resolve
+
+    args, rest = _parse(argv)
+    if args.limit < 0:
+        raise cli.UsageError(f"--limit={args.limit}: expected >= 0 (0: every example)")
+    if args.output_dir and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise cli.UsageError(f"--output_dir={args.output_dir}: a file, expected a directory")
+    step_dir = resolve(args.checkpoint)
+    cfg = _configure(rest, step_dir)
+    cli.cpu_devices(cfg["run"].cpu_devices)
+    metrics = evaluate(args, cfg, step_dir)
     shown = "  ".join(f"{k} {metrics[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"))
     print(
         f"step {metrics['step']} {metrics['split']}: {metrics['examples']} examples  "

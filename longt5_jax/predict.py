@@ -16,28 +16,35 @@ from pathlib import Path
 
 import numpy as np
 
+from longt5_jax import cli
 from longt5_jax.data.sources import DataError
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m longt5_jax.predict", description=__doc__)
+    p = cli.ArgumentParser(prog="python -m longt5_jax.predict", description=__doc__)
     p.add_argument("--checkpoint", required=True, help="a step directory or a MODEL_DIR")
     p.add_argument("--input", required=True, help="FILE.jsonl or FILE.txt")
-    p.add_argument("--output", required=True, help="predictions JSONL")
+    p.add_argument("--output", required=True, type=cli.new_file, help="predictions JSONL")
     p.add_argument("--input_field", default="article", help="the text field of .jsonl records")
     p.add_argument("--input_length", type=int, default=0, help="0: as the checkpoint trained")
-    p.add_argument("--max_length", type=int, default=256, help="summary tokens at most")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--num_beams", type=int, default=1)
+    p.add_argument("--max_length", type=cli.positive, default=256, help="summary tokens at most")
+    p.add_argument("--batch_size", type=cli.positive, default=8)
+    p.add_argument("--num_beams", type=cli.positive, default=1)
     p.add_argument("--length_penalty", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=0.0, help="> 0 samples")
     p.add_argument("--top_k", type=int, default=0)
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor", type=int, default=1, help="tensor-parallel ranks; the rest: data")
+    p.add_argument(
+        "--tensor", type=cli.positive, default=1, help="tensor-parallel ranks; the rest: data"
+    )
     p.add_argument("--cpu_devices", type=int, default=0, help="fake CPU devices (no accelerator)")
     p.add_argument("--tokenizer", default="", help="for a checkpoint saved without one")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("input_length", "cpu_devices", "top_k"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name}={getattr(args, name)}: expected >= 0")
+    return args
 
 
 def read_documents(path: Path, field: str) -> list[tuple[str, str]]:
@@ -93,6 +100,7 @@ def predict(args: argparse.Namespace) -> int:
     from longt5_jax.inference import from_checkpoint, load_tokenizer_for
     from longt5_jax.parallel.mesh import MeshConfig
 
+    cli.cpu_devices(args.cpu_devices)
     step_dir = resolve(args.checkpoint)
     docs = read_documents(Path(args.input), args.input_field)
     tokenizer = load_tokenizer_for(step_dir, args.tokenizer)
@@ -146,18 +154,7 @@ def predict(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from longt5_jax.checkpoint import CheckpointError
-
-    args = _parse(sys.argv[1:] if argv is None else argv)
-    if args.cpu_devices:
-        from longt5_jax.train import _use_cpu_devices
-
-        _use_cpu_devices(args.cpu_devices)
-    try:
-        return predict(args)
-    except (CheckpointError, DataError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda argv: predict(_parse(argv)), argv)
 
 
 if __name__ == "__main__":

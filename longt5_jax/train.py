@@ -12,41 +12,6 @@ import sys
 from pathlib import Path
 
 
-def _configure(argv: list[str]):
-    from longt5_jax import configuration as conf
-
-    files, bindings, rest = conf.split_gin_args(argv)
-    unknown = [a for a in rest if a != "--print_config"]
-    if unknown:
-        raise conf.ConfigError(
-            f"unknown arguments {unknown}: expected --gin_file, --gin.NAME=VALUE or --print_config"
-        )
-    conf.parse(files, bindings)
-    built = {
-        name: conf.build(cls)
-        for name, cls in (
-            ("run", conf.RunConfig),
-            ("model", conf.LongT5Config),
-            ("data", conf.DataConfig),
-            ("mesh", conf.MeshConfig),
-            ("optim", conf.OptimizerConfig),
-            ("step", conf.StepConfig),
-            ("ckpt", conf.CheckpointConfig),
-            ("eval", conf.EvalConfig),
-            ("decode", conf.DecodeConfig),
-        )
-    }
-    return built, "--print_config" in rest
-
-
-def _use_cpu_devices(count: int) -> None:
-    """Fake CPU devices for a machine without an accelerator; must run before jax starts."""
-    import jax
-
-    if count and jax.config.jax_platforms in (None, "", "cpu"):
-        jax.config.update("jax_num_cpu_devices", count)
-
-
 def train(cfg: dict) -> dict:
     """Train per `cfg`; returns the last logged metrics."""
     import jax
@@ -68,6 +33,8 @@ def train(cfg: dict) -> dict:
             f"LongT5Config.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
             f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
         )
+    # The data opens first: a bad file is reported before any state is built.
+    batches = iter(make_dataset(data_cfg, tokenizer, "train"))
     mesh = make_mesh(cfg["mesh"])
     model = LongT5(model_cfg, runner=cfg["mesh"].pipeline_plan())
     step = ShardedStep(model, cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"])
@@ -79,7 +46,6 @@ def train(cfg: dict) -> dict:
             flush=True,
         )
 
-    batches = iter(make_dataset(data_cfg, tokenizer, "train"))
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
         start, restored = checkpoints.resume(abstract_like(state), batches)
@@ -228,50 +194,45 @@ def _on_sigterm():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from longt5_jax import distributed
-    from longt5_jax.configuration import ConfigError
+    from longt5_jax import cli
 
-    try:
-        flags, argv = distributed.split_flags(sys.argv[1:] if argv is None else argv)
-        processes = distributed.detect(flags)
-        cfg, print_only = _configure(argv)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if print_only:
-        from longt5_jax import configuration
+    return cli.run(_main, argv)
 
+
+def _main(argv: list[str]) -> int:
+    from longt5_jax import cli, configuration, distributed
+
+    flags, argv = distributed.split_flags(argv)
+    processes = distributed.detect(flags)
+    cfg, given = configuration.from_args(argv, flags=("--print_config",))
+    if "--print_config" in given:
         print(configuration.operative_config() or "\n".join(f"{k}: {v}" for k, v in cfg.items()))
         return 0
-    _use_cpu_devices(cfg["run"].cpu_devices)
+    model_dir = Path(cfg["run"].model_dir)
+    if model_dir.exists() and not model_dir.is_dir():
+        raise configuration.ConfigError(
+            f"MODEL_DIR={str(model_dir)!r}: a file, expected a directory"
+        )
+    cli.cpu_devices(cfg["run"].cpu_devices)
     distributed.initialize(processes, cfg["run"].cpu_devices)
     import jax
 
     from longt5_jax.parallel.mesh import check_fits
 
     model = cfg["model"]
-    try:
-        check_fits(
-            cfg["mesh"],
-            jax.device_count(),
-            model.num_heads,
-            model.d_ff,
-            model.vocab_size,
-            cfg["data"].batch_size,
-            (model.num_encoder_layers, model.num_decoder_layers),
-            cfg["step"].microbatches,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from longt5_jax.checkpoint import CheckpointError
-
+    check_fits(
+        cfg["mesh"],
+        jax.device_count(),
+        model.num_heads,
+        model.d_ff,
+        model.vocab_size,
+        cfg["data"].batch_size,
+        (model.num_encoder_layers, model.num_decoder_layers),
+        cfg["step"].microbatches,
+    )
     try:
         train(cfg)
-    except (CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:
+    except NonFiniteError as e:  # the run's own verdict, not bad input: exit 1, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

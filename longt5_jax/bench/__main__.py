@@ -6,6 +6,7 @@ Each benchmark takes --help.
 
 import sys
 
+from longt5_jax import cli
 from longt5_jax.bench import (
     cluster,
     data,
@@ -33,14 +34,15 @@ BENCHMARKS = {
 }
 
 
-def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
-        print(
-            f"usage: python -m longt5_jax.bench {{{','.join(BENCHMARKS)}}} [options]",
-            file=sys.stderr,
-        )
-        return 2
-    return BENCHMARKS[sys.argv[1]](sys.argv[2:])
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        given = repr(argv[0]) if argv else "none"
+        raise cli.UsageError(f"benchmark {given}: expected one of {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ import argparse
 import json
 import sys
 
+from longt5_jax import cli
+
 
 def _parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m longt5_jax.ckpt", description=__doc__)
+    top = cli.ArgumentParser(prog="python -m longt5_jax.ckpt", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
     helps = {
         "ls": "steps, sizes, times and state (complete, incomplete, unreadable) of checkpoints",
@@ -118,15 +120,12 @@ def _text(command: str, result) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    import absl.logging
+    return cli.run(_main, argv)
 
-    absl.logging.set_verbosity(absl.logging.ERROR)  # orbax's notices are not the answer
-    try:
-        result = _run(args)
-    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+
+def _main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    result = _run(args)
     print(json.dumps(result, indent=1) if args.json else _text(args.command, result))
     return 1 if args.command == "verify" and not result["ok"] else 0
 

@@ -6,14 +6,14 @@ python -m longt5_jax.data.preview --gin_file=configs/data/aclsum.gin [--num_batc
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import numpy as np
 
-from longt5_jax import configuration
-from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
+from longt5_jax import cli, configuration
+from longt5_jax.data.pipeline import load_tokenizer, make_dataset
+from longt5_jax.data.sources import DataError
 
 
 def _summary(batch: dict[str, np.ndarray]) -> str:
@@ -27,18 +27,19 @@ def _summary(batch: dict[str, np.ndarray]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    files, bindings, rest = configuration.split_gin_args(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_batches", type=int, default=2)
-    parser.add_argument("--split", default="train")
-    args = parser.parse_args(rest)
-    try:
-        configuration.parse(files, bindings)
-        cfg = configuration.build(DataConfig)
-    except configuration.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(_main, argv)
 
+
+def _main(argv: list[str]) -> int:
+    parser = cli.ArgumentParser(
+        prog="python -m longt5_jax.data.preview", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--num_batches", type=cli.positive, default=2)
+    parser.add_argument("--split", default="train")
+    args, rest = parser.parse_known_args(argv)
+    # A run config's required MODEL_DIR is never used here: bind one so the config parses.
+    cfg, _ = configuration.from_args(rest, ("data",), preset=["MODEL_DIR = ''"])
+    cfg = cfg["data"]
     start = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
     print(
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         first = batch if first is None else first
         print(f"batch {i}: {_summary(batch)}")
     if first is None:
-        print("no batches")
-        return 1
+        raise DataError(f"split {args.split!r}: no batches")
     row = first["encoder_segment_ids"][0]
     inputs = first["encoder_input_tokens"][0][row == 1]
     targets = first["decoder_target_tokens"][0][first["decoder_segment_ids"][0] == 1]

@@ -11,7 +11,6 @@ status (0 when all succeed).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from longt5_jax import cli
 
 
 def free_port() -> int:
@@ -101,20 +102,19 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     ours, train_args = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
-    parser = argparse.ArgumentParser(prog="python -m longt5_jax.launch.local", description=__doc__)
-    parser.add_argument("--num_processes", type=int, default=2)
-    parser.add_argument("--devices_per_process", type=int, default=4)
+    parser = cli.ArgumentParser(prog="python -m longt5_jax.launch.local", description=__doc__)
+    parser.add_argument("--num_processes", type=cli.positive, default=2)
+    parser.add_argument("--devices_per_process", type=cli.positive, default=4)
     args = parser.parse_args(ours)
-    if args.num_processes < 1 or args.devices_per_process < 1:
-        print("error: --num_processes and --devices_per_process must be >= 1", file=sys.stderr)
-        return 2
     if not train_args:
-        print("error: no training arguments: put them after `--`", file=sys.stderr)
-        return 2
+        raise cli.UsageError("no training arguments: put them after `--`")
     code = launch(args.num_processes, args.devices_per_process, train_args)
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from longt5_jax import cli
 from longt5_jax.plan import targets
 
 if TYPE_CHECKING:  # the real imports wait until the device count is set
@@ -38,9 +39,7 @@ WIDTH = 62  # of a candidate's label
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m longt5_jax.plan", description=__doc__.split("\n")[0]
-    )
+    p = cli.ArgumentParser(prog="python -m longt5_jax.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="base", help="preset: tiny, small, base, large, xl, xxl")
     p.add_argument("--attention", default="tglobal", help="local or tglobal")
     p.add_argument("--input_length", type=int, default=4096)
@@ -266,7 +265,10 @@ def run(args: argparse.Namespace, config, cluster, target, devices: list) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     targets.prepare_environment()
     try:
