@@ -18,7 +18,6 @@ from jax.experimental import multihost_utils
 from longt5_jax.data import batching
 from longt5_jax.data.pipeline import DataConfig, Preprocess, open_split
 from longt5_jax.data.tokenizer import Tokenizer
-from longt5_jax.rouge import rouge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +123,8 @@ def rouge_of(
         {"id": e.id, "prediction": text, "reference": e.reference}
         for e, text in zip(examples, texts, strict=True)
     ]
+    from longt5_jax.rouge import rouge  # rouge-score pulls in nltk and scipy: 1.6 s at start-up
+
     return rouge([e.reference for e in examples], texts), records
 
 

@@ -1,0 +1,181 @@
+"""Bad input at every command, as a new user meets it: each case runs the real command in a fresh
+process and must end with one line on stderr naming the culprit, exit 2, no traceback, and every
+file that existed before exactly as it was.
+
+The commands start together (each is mostly Python and jax start-up) so the whole table costs
+about as much as its slowest case.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longt5_jax.data.pipeline import DataConfig, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+# The demo at test sizes; the tokenizer is the one the fixture trains (cached for every process).
+TRAIN = [
+    "-m",
+    "longt5_jax.train",
+    "--gin_file=configs/demo.gin",
+    "--gin.DataConfig.input_length=256",
+    "--gin.DataConfig.target_length=32",
+    "--gin.DataConfig.tokenizer_vocab_size=2000",
+    "--gin.LongT5Config.vocab_size=2176",
+]
+FILES = ["--gin.DataConfig.task='files'"]
+
+
+def _train(*args: str) -> list[str]:
+    return [*TRAIN, "--gin.MODEL_DIR='{d}/run'", *args]
+
+
+# name: (command line with {d} for the case's directory, what the one line must name)
+CASES = {
+    "mistyped data glob": (
+        _train(*FILES, "--gin.DataConfig.train_files='{d}/data/trian-*.jsonl'"),
+        "no files match '{d}/data/trian-*.jsonl'",
+    ),
+    "malformed JSONL": (
+        _train(*FILES, "--gin.DataConfig.train_files='{d}/data/malformed.jsonl'"),
+        "{d}/data/malformed.jsonl:2: not valid JSON",
+    ),
+    "empty JSONL": (
+        _train(*FILES, "--gin.DataConfig.train_files='{d}/data/empty.jsonl'"),
+        "{d}/data/empty.jsonl: no records",
+    ),
+    "corrupt Parquet": (
+        _train(*FILES, "--gin.DataConfig.train_files='{d}/data/corrupt.parquet'"),
+        "{d}/data/corrupt.parquet: not a readable Parquet file",
+    ),
+    "missing tokenizer": (
+        _train("--gin.DataConfig.tokenizer='{d}/data/missing.model'"),
+        "{d}/data/missing.model: SentencePiece model not found",
+    ),
+    "corrupt tokenizer": (
+        _train("--gin.DataConfig.tokenizer='{d}/data/corrupt.model'"),
+        "{d}/data/corrupt.model: not a SentencePiece model",
+    ),
+    "MODEL_DIR is a file": (
+        [*TRAIN, "--gin.MODEL_DIR='{d}/data/empty.jsonl'"],
+        "MODEL_DIR='{d}/data/empty.jsonl': a file, expected a directory",
+    ),
+    "gin syntax error": (
+        _train("--gin.LongT5Config.d_model=(("),
+        "--gin.LongT5Config.d_model=((: not valid gin",
+    ),
+    "predict --max_length 0": (
+        ["-m", "longt5_jax.predict", "--checkpoint={d}/run", "--input={d}/data/docs.jsonl"]
+        + ["--output={d}/out.jsonl", "--max_length=0"],
+        "argument --max_length: expected an integer >= 1, got 0",
+    ),
+    "predict --output a directory": (
+        ["-m", "longt5_jax.predict", "--checkpoint={d}/run", "--input={d}/data/docs.jsonl"]
+        + ["--output={d}/data"],
+        "argument --output: {d}/data is a directory",
+    ),
+    "data.preview mistyped glob": (
+        ["-m", "longt5_jax.data.preview", "--gin_file=configs/demo.gin", *FILES]
+        + ["--gin.DataConfig.train_files='{d}/data/trian-*.jsonl'"],
+        "no files match '{d}/data/trian-*.jsonl'",
+    ),
+    "data.convert mistyped glob": (
+        ["-m", "longt5_jax.data.convert", "--input={d}/data/trian-*.jsonl"]
+        + ["--output_dir={d}/shards"],
+        "no files match '{d}/data/trian-*.jsonl'",
+    ),
+    "evaluate without a gin file": (
+        ["-m", "longt5_jax.evaluate", "--checkpoint={d}/data"],
+        "{d}/data",
+    ),
+    "ckpt of a file": (
+        ["-m", "longt5_jax.ckpt", "tree", "{d}/data/docs.jsonl"],
+        "{d}/data/docs.jsonl",
+    ),
+    "plan of an unknown model": (
+        ["-m", "longt5_jax.plan", "--model=huge"],
+        "huge",
+    ),
+    "bench of an unknown benchmark": (
+        ["-m", "longt5_jax.bench", "speeed"],
+        "benchmark 'speeed': expected one of",
+    ),
+    "launch.local with no processes": (
+        ["-m", "longt5_jax.launch.local", "--num_processes=0", "--", "--gin_file=x"],
+        "argument --num_processes: expected an integer >= 1, got 0",
+    ),
+}
+
+
+def _prepare(d: Path) -> None:
+    """A case's directory: the inputs every case may name, and nothing else."""
+    data = d / "data"
+    data.mkdir(parents=True)
+    (data / "malformed.jsonl").write_text('{"article": "a b", "abstract": "c"}\n{"article": "a')
+    (data / "empty.jsonl").write_text("")
+    (data / "corrupt.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 4)
+    (data / "corrupt.model").write_bytes(bytes(range(256)) * 4)
+    (data / "docs.jsonl").write_text('{"id": "1", "article": "one short document"}\n')
+
+
+def _snapshot(d: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(d)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+    }
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A data cache holding the tests' tokenizer, trained once for every process."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LONGT5_JAX_CACHE", str(cache))
+        load_tokenizer(DataConfig(tokenizer_vocab_size=2000))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, cache):
+    """Every case run at once; each result with its directory's files before and after."""
+    env = {**os.environ, "LONGT5_JAX_CACHE": str(cache)}
+    started = {}
+    for i, (name, (argv, _)) in enumerate(CASES.items()):
+        d = tmp_path_factory.mktemp(f"case{i}")
+        _prepare(d)
+        args = [a.format(d=d) for a in argv]
+        before = _snapshot(d)
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        started[name] = (d, proc, before)
+    results = {}
+    for name, (d, proc, before) in started.items():
+        out, err = proc.communicate(timeout=300)
+        results[name] = (d, proc.returncode, out, err, before, _snapshot(d))
+    return results
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(outcomes, name):
+    d, rc, out, err, before, after = outcomes[name]
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err + out, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and CASES[name][1].format(d=d) in lines[0], lines[0]
+    assert rc == 2, (rc, err)
+    assert after == before
+
+
+def test_data_preview_needs_no_model_dir(cache):
+    """The demo's config requires a MODEL_DIR for training; previewing its data does not."""
+    from longt5_jax.data import preview
+
+    argv = [f"--gin_file={ROOT / 'configs/demo.gin'}", "--gin.DataConfig.input_length=256"]
+    argv += ["--gin.DataConfig.tokenizer_vocab_size=2000", "--num_batches=1"]
+    assert preview.main(argv) == 0
