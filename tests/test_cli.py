@@ -179,3 +179,32 @@ def test_data_preview_needs_no_model_dir(cache):
     argv = [f"--gin_file={ROOT / 'configs/demo.gin'}", "--gin.DataConfig.input_length=256"]
     argv += ["--gin.DataConfig.tokenizer_vocab_size=2000", "--num_batches=1"]
     assert preview.main(argv) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["predict", "evaluate"])
+def test_a_damaged_checkpoint_is_one_line_without_orbax_noise(cache, tmp_path, command):
+    """Every array file of a short run's checkpoints overwritten: the read fails in one line."""
+    from test_train import TINY_RUN
+
+    from longt5_jax import train
+
+    run = tmp_path / "run"
+    assert train.main([*TINY_RUN, "--gin.RunConfig.train_steps=1", f"--gin.MODEL_DIR='{run}'"]) == 0
+    for f in run.glob("checkpoints/*/state/ocdbt.process_0/d/*"):
+        f.write_bytes(bytes(range(100)))
+    _prepare(tmp_path)
+    argv = {
+        "predict": ["--input", f"{tmp_path}/data/docs.jsonl", "--output", f"{tmp_path}/p.jsonl"],
+        "evaluate": [f"--gin_file={run}/config.gin", "--gin.DataConfig.input_length=256"],
+    }[command]
+    before = _snapshot(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"longt5_jax.{command}", f"--checkpoint={run}", *argv],
+        cwd=ROOT, env={**os.environ, "LONGT5_JAX_CACHE": str(cache)}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {run}/checkpoints/1: unreadable"), lines[0]
+    assert proc.returncode == 2 and _snapshot(tmp_path) == before
