@@ -150,6 +150,23 @@ def _take(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1)
 
 
+def _finish(cfg: DecodeConfig, finished, cand_BKT, cand_score_BK, ended_BK, open_, t):
+    """The N best ended hypotheses after step t: only candidates among the top N may join,
+    scored with the length penalty."""
+    fin_seq, fin_score, fin_done = finished
+    n, k = cfg.num_beams, cand_score_BK.shape[1]
+    joined = ended_BK & (jnp.arange(k) < n)[None]
+    penalised = cand_score_BK / cfg.penalty(t + 1)
+    full = jnp.all(fin_done, axis=-1, keepdims=True) & (cfg.early_stopping == "finished")
+    # Three separate masks, as transformers adds them: the same scores, not just the same order.
+    penalised = penalised + full * NEG + ~open_[:, None] * NEG + ~joined * NEG
+    merged_score = jnp.concatenate([fin_score, penalised], axis=1)
+    keep = jax.lax.top_k(merged_score, n)[1]
+    fin_seq = _take(jnp.concatenate([fin_seq, cand_BKT], axis=1), keep)
+    fin_done = _take(jnp.concatenate([fin_done, joined], axis=1), keep)
+    return fin_seq, _take(merged_score, keep), fin_done
+
+
 def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache, length, b):
     """transformers' vectorised beam search (the same candidates, scores and stopping rule).
 
@@ -173,17 +190,9 @@ def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache
         best = jax.lax.top_k(live_score, n)[1]
         seq, score, parent = _take(cand_BKT, best), _take(live_score, best), _take(parent_BK, best)
 
-        # Finished: only candidates among the top N may join, scored with the length penalty.
-        joined = ended_BK & (jnp.arange(k) < n)[None]
-        penalised = cand_score_BK / cfg.penalty(t + 1)
-        full = jnp.all(fin_done, axis=-1, keepdims=True) & (cfg.early_stopping == "finished")
-        # Three separate masks, as transformers adds them: the same scores, not just the same order.
-        penalised = penalised + full * NEG + ~open_[:, None] * NEG + ~joined * NEG
-        merged_score = jnp.concatenate([fin_score, penalised], axis=1)
-        keep = jax.lax.top_k(merged_score, n)[1]
-        fin_seq = _take(jnp.concatenate([fin_seq, cand_BKT], axis=1), keep)
-        fin_score = _take(merged_score, keep)
-        fin_done = _take(jnp.concatenate([fin_done, joined], axis=1), keep)
+        fin_seq, fin_score, fin_done = _finish(
+            cfg, (fin_seq, fin_score, fin_done), cand_BKT, cand_score_BK, ended_BK, open_, t
+        )
 
         # Could a live beam still beat the worst finished one? (at its length, or at the longest)
         best_length = length if cfg.early_stopping == "never" and cfg.length_penalty > 0 else t + 1

@@ -89,13 +89,30 @@ def trained_input_length(gin_text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+def _encode(docs: list[tuple[str, str]], tokenizer, length: int, source: str) -> list:
+    """Each document's ids, EOS-terminated, truncated (with a warning) to `length`."""
+    from longt5_jax.data.batching import trim_with_eos
+
+    ids = []
+    for number, (doc_id, text) in enumerate(docs):
+        tokens = tokenizer.encode(text)
+        if len(tokens) > length - 1:
+            where = f"{source}:{number + 1}" if len(docs) > 1 else source
+            print(
+                f"warning: {where} (id {doc_id}): {len(tokens):,} tokens, truncated to the first "
+                f"{length - 1:,} and EOS (input length {length:,})",
+                file=sys.stderr,
+            )
+        ids.append(trim_with_eos(tokens, length))
+    return ids
+
+
 def predict(args: argparse.Namespace) -> int:
     import jax
     from tqdm import tqdm
 
     from longt5_jax.atomic import write_atomic
     from longt5_jax.checkpoint import resolve, saved_config
-    from longt5_jax.data.batching import trim_with_eos
     from longt5_jax.decode import DecodeConfig
     from longt5_jax.inference import from_checkpoint, load_tokenizer_for
     from longt5_jax.parallel.mesh import MeshConfig
@@ -107,32 +124,14 @@ def predict(args: argparse.Namespace) -> int:
     length = args.input_length or trained_input_length(saved_config(step_dir).get("gin", ""))
     if not length:
         raise ValueError(f"{step_dir}: its config names no input length: pass --input_length")
-    decode = DecodeConfig(
-        max_length=args.max_length,
-        num_beams=args.num_beams,
-        length_penalty=args.length_penalty,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    fields = ("max_length", "num_beams", "length_penalty", "temperature", "top_k", "top_p", "seed")
+    decode = DecodeConfig(**{f: getattr(args, f) for f in fields})
     plan = MeshConfig(data=-1, tensor=args.tensor, zero_stage=0)
     generator, _ = from_checkpoint(step_dir, plan, decode, args.max_length)
     data = generator.mesh.shape["data"]
     rows = -(-args.batch_size // data) * data  # whole rows for every data rank
 
-    ids = []
-    for (doc_id, text), number in zip(docs, range(len(docs)), strict=True):
-        tokens = tokenizer.encode(text)
-        if len(tokens) > length - 1:
-            where = f"{args.input}:{number + 1}" if len(docs) > 1 else args.input
-            print(
-                f"warning: {where} (id {doc_id}): {len(tokens):,} tokens, truncated to the first "
-                f"{length - 1:,} and EOS (input length {length:,})",
-                file=sys.stderr,
-            )
-        ids.append(trim_with_eos(tokens, length))
-
+    ids = _encode(docs, tokenizer, length, args.input)
     out = []
     with tqdm(total=len(docs), desc="summarising", unit="doc", disable=None) as bar:
         for start in range(0, len(ids), rows):

@@ -35,6 +35,33 @@ def _relay(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
+def _watch(procs: list[subprocess.Popen], lock: threading.Lock, grace_s: float) -> int:
+    """Wait for the processes; at the first failure stop the others (SIGTERM, then SIGKILL
+    after `grace_s`). Returns the first failure's status, 0 if none failed."""
+    status = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed and not status:
+            status = failed[0].returncode
+            with lock:
+                print(
+                    f"[launcher] process {procs.index(failed[0])} exited with {status}; "
+                    "stopping the others",
+                    flush=True,
+                )
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    return status
+
+
 def launch(num_processes: int, devices_per_process: int, train_args: list[str], grace_s=10.0):
     """Run the processes to the end; returns the exit status."""
     port = free_port()
@@ -74,27 +101,7 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
-    status = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed and not status:
-            status = failed[0].returncode
-            with lock:
-                print(
-                    f"[launcher] process {procs.index(failed[0])} exited with {status}; "
-                    "stopping the others",
-                    flush=True,
-                )
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                time.sleep(0.1)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.1)
+    status = _watch(procs, lock, grace_s)
     for t in relays:
         t.join(timeout=5)
     codes = [p.returncode for p in procs]

@@ -175,22 +175,26 @@ class LongSelfAttention(nn.Module):
             logits.append(side_BHNWG)
             values.append(("bhnwg,bhgk->bhnwk", side_v_BHGK))
 
-        # One softmax over local and side keys without concatenating them, normalised after the
-        # value matmuls: dividing the [.., W, K] output is 6-10x less memory traffic than
-        # dividing the [.., W, 3W + G] probabilities (dropout(e) / total = dropout(e / total)).
-        peak = jnp.max(jnp.stack([jnp.max(s, axis=-1, initial=-jnp.inf) for s in logits]), axis=0)
-        peak = peak[..., None]
-        exps = [jnp.exp(s - peak) for s in logits]
-        total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-        out_BHNWK = 0.0
-        for e, (spec, v) in zip(exps, values, strict=True):
-            e = self.dropout(e, rows).astype(c.compute_dtype)
-            out_BHNWK = out_BHNWK + jnp.einsum(spec, e, v, preferred_element_type=jnp.float32)
-        out_BHNWK = (out_BHNWK / total).astype(c.compute_dtype)
+        out_BHNWK = self._attend(logits, values, rows)
         b, h, n = out_BHNWK.shape[:3]
         out_BLHK = out_BHNWK.reshape(b, h, n * w, c.d_kv)[:, :, :length].transpose(0, 2, 1, 3)
         out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
         return self.out(out_BLHK)
+
+    def _attend(
+        self, logits: list[jax.Array], values: list[tuple[str, jax.Array]], rows: Rows | None
+    ) -> jax.Array:
+        """One softmax over local and side keys without concatenating them, normalised after
+        the value matmuls: dividing the [.., W, K] output is 6-10x less memory traffic than
+        dividing the [.., W, 3W + G] probabilities (dropout(e) / total = dropout(e / total))."""
+        peak = jnp.max(jnp.stack([jnp.max(s, axis=-1, initial=-jnp.inf) for s in logits]), axis=0)
+        exps = [jnp.exp(s - peak[..., None]) for s in logits]
+        total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+        out_BHNWK = 0.0
+        for e, (spec, v) in zip(exps, values, strict=True):
+            e = self.dropout(e, rows).astype(self.config.compute_dtype)
+            out_BHNWK = out_BHNWK + jnp.einsum(spec, e, v, preferred_element_type=jnp.float32)
+        return (out_BHNWK / total).astype(self.config.compute_dtype)
 
     def _side_bias(
         self, segment_ids: jax.Array, blocks: GlobalBlocks, table_HR: jax.Array, num_globals: int

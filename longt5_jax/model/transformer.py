@@ -12,102 +12,19 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import relpos, stack
-from longt5_jax.model.attention import Attention
+from longt5_jax.model.blocks import Cache, DecoderLayer, EncoderLayer, rows_of
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import (
-    MLP,
     Dropout,
     Embed,
     Projection,
     RMSNorm,
-    Rows,
     truncated_normal_fan_in,
 )
 from longt5_jax.model.long_attention import (
-    GlobalBlocks,
-    LongSelfAttention,
     global_blocks,
     relative_positions_3block,
 )
-
-EMBED = ("batch", "length", "embed")
-Cache = dict[str, jax.Array]
-
-
-def _rows(row_ids: jax.Array | None, layer: jax.Array | int = 0) -> Rows | None:
-    return None if row_ids is None else Rows(row_ids, layer)
-
-
-class EncoderLayer(nn.Module):
-    """Pre-norm long self-attention and gated-GELU MLP, each with a residual."""
-
-    config: LongT5Config
-    deterministic: bool
-
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        layer: jax.Array,
-        row_ids: jax.Array | None,
-        segment_ids: jax.Array,
-        local_bias_HWX: jax.Array,
-        blocks: GlobalBlocks | None,
-        side_table_HR: jax.Array | None,
-    ):
-        c, det, rows = self.config, self.deterministic, _rows(row_ids, layer)
-        norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
-        h = RMSNorm(**norm, name="pre_attention_layer_norm")(x)
-        h = LongSelfAttention(c, det, name="attention")(
-            h, segment_ids, local_bias_HWX, blocks, side_table_HR, rows
-        )
-        x = x + Dropout(c.dropout_rate, det)(h, rows)
-        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
-        x = x + Dropout(c.dropout_rate, det)(h, rows)
-        return nn.with_logical_constraint(x, EMBED), None
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm causal self-attention, cross-attention and MLP; may read and write a KV cache."""
-
-    config: LongT5Config
-    deterministic: bool
-
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        layer: jax.Array,
-        cache: Cache | None,
-        row_ids: jax.Array | None,
-        encoded: jax.Array,
-        self_mask: jax.Array,
-        self_bias_HTS: jax.Array,
-        cross_mask: jax.Array,
-        cache_index: jax.Array,
-    ):
-        c, det, rows = self.config, self.deterministic, _rows(row_ids, layer)
-        norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
-        h = RMSNorm(**norm, name="pre_self_attention_layer_norm")(x)
-        attn = Attention(c, det, name="self_attention")
-        k, v = attn.keys_values(h)
-        if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, cache_index, axis=1)
-        x = x + Dropout(c.dropout_rate, det)(attn(h, k, v, self_mask, self_bias_HTS, rows), rows)
-
-        h = RMSNorm(**norm, name="pre_cross_attention_layer_norm")(x)
-        cross = Attention(c, det, name="encoder_decoder_attention")
-        if cache is not None and "cross_k" in cache:
-            ck, cv = cache["cross_k"], cache["cross_v"]
-        else:  # Training, or the first decoding step, which fills the cross-attention cache.
-            ck, cv = cross.keys_values(encoded)
-        x = x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
-
-        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
-        x = nn.with_logical_constraint(x + Dropout(c.dropout_rate, det)(h, rows), EMBED)
-        new_cache = None if cache is None else dict(self_k=k, self_v=v, cross_k=ck, cross_v=cv)
-        return x, new_cache
 
 
 class Encoder(nn.Module):
@@ -135,7 +52,7 @@ class Encoder(nn.Module):
             side_table_HR = relpos.RelposTable(
                 c.num_heads, c.relpos_buckets, name="side_relpos_bias"
             )()
-        x = Dropout(c.dropout_rate, deterministic)(x, _rows(row_ids))
+        x = Dropout(c.dropout_rate, deterministic)(x, rows_of(row_ids))
         in_axes = (0,) + (nn.broadcast,) * 5
         layers = stack.scanned(
             EncoderLayer, c, c.num_encoder_layers, in_axes, deterministic, "layers"
@@ -170,7 +87,7 @@ class Encoder(nn.Module):
                 shared,
             )
         x = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="encoder_norm")(x)
-        return Dropout(c.dropout_rate, deterministic)(x, _rows(row_ids))
+        return Dropout(c.dropout_rate, deterministic)(x, rows_of(row_ids))
 
 
 class Decoder(nn.Module):
@@ -191,13 +108,8 @@ class Decoder(nn.Module):
     ) -> tuple[jax.Array, Cache | None]:
         c = self.config
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
-        num_keys = self_mask.shape[-1]
-        rel_TS = jnp.arange(num_keys)[None, :] - (cache_index + jnp.arange(y.shape[1]))[:, None]
-        bias_HTS = relpos.lookup(
-            table_HR,
-            relpos.relative_position_bucket(rel_TS, False, c.relpos_buckets, c.relpos_max_distance),
-        )
-        y = Dropout(c.dropout_rate, deterministic)(y, _rows(row_ids))
+        bias_HTS = _decoder_bias(c, table_HR, self_mask.shape[-1], cache_index, y.shape[1])
+        y = Dropout(c.dropout_rate, deterministic)(y, rows_of(row_ids))
         in_axes = (0, 0) + (nn.broadcast,) * 6
         layers = stack.scanned(
             DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers"
@@ -220,11 +132,8 @@ class Decoder(nn.Module):
                 return apply(h, None, rows[0], rows[1], rows[2], shared[0], rows[3], shared[1])
 
             b = y.shape[0]
-            per_microbatch = (
-                row_ids,
-                encoded,
-                jnp.broadcast_to(self_mask, (b, *self_mask.shape[1:])),
-                jnp.broadcast_to(cross_mask, (b, *cross_mask.shape[1:])),
+            per_microbatch = (row_ids, encoded) + tuple(
+                jnp.broadcast_to(m, (b, *m.shape[1:])) for m in (self_mask, cross_mask)
             )
             y = stack.run(
                 self,
@@ -239,7 +148,7 @@ class Decoder(nn.Module):
                 (bias_HTS, cache_index),
             )
         y = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="decoder_norm")(y)
-        y = Dropout(c.dropout_rate, deterministic)(y, _rows(row_ids))
+        y = Dropout(c.dropout_rate, deterministic)(y, rows_of(row_ids))
         # The output projection is untied from the embedding and runs in float32.
         logits = Projection(
             (c.vocab_size,),
@@ -250,6 +159,17 @@ class Decoder(nn.Module):
             name="logits_dense",
         )(y)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab")), cache
+
+
+def _decoder_bias(
+    c: LongT5Config, table_HR: jax.Array, num_keys: int, cache_index: jax.Array, length: int
+) -> jax.Array:
+    """[H, T, S] relative-position bias of `length` queries from `cache_index` on."""
+    rel_TS = jnp.arange(num_keys)[None, :] - (cache_index + jnp.arange(length))[:, None]
+    buckets = relpos.relative_position_bucket(
+        rel_TS, False, c.relpos_buckets, c.relpos_max_distance
+    )
+    return relpos.lookup(table_HR, buckets)
 
 
 def _encoder_segments(

@@ -1,0 +1,93 @@
+"""One encoder layer and one decoder layer: what the stacks scan over.
+
+Letter key: B batch, L encoder length, T decoder length, S key length, D embed.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from longt5_jax.model.attention import Attention
+from longt5_jax.model.config import LongT5Config
+from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows
+from longt5_jax.model.long_attention import GlobalBlocks, LongSelfAttention
+
+EMBED = ("batch", "length", "embed")
+Cache = dict[str, jax.Array]
+
+
+def rows_of(row_ids: jax.Array | None, layer: jax.Array | int = 0) -> Rows | None:
+    return None if row_ids is None else Rows(row_ids, layer)
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm long self-attention and gated-GELU MLP, each with a residual."""
+
+    config: LongT5Config
+    deterministic: bool
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        layer: jax.Array,
+        row_ids: jax.Array | None,
+        segment_ids: jax.Array,
+        local_bias_HWX: jax.Array,
+        blocks: GlobalBlocks | None,
+        side_table_HR: jax.Array | None,
+    ):
+        c, det, rows = self.config, self.deterministic, rows_of(row_ids, layer)
+        norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
+        h = RMSNorm(**norm, name="pre_attention_layer_norm")(x)
+        h = LongSelfAttention(c, det, name="attention")(
+            h, segment_ids, local_bias_HWX, blocks, side_table_HR, rows
+        )
+        x = x + Dropout(c.dropout_rate, det)(h, rows)
+        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
+        x = x + Dropout(c.dropout_rate, det)(h, rows)
+        return nn.with_logical_constraint(x, EMBED), None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm causal self-attention, cross-attention and MLP; may read and write a KV cache."""
+
+    config: LongT5Config
+    deterministic: bool
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        layer: jax.Array,
+        cache: Cache | None,
+        row_ids: jax.Array | None,
+        encoded: jax.Array,
+        self_mask: jax.Array,
+        self_bias_HTS: jax.Array,
+        cross_mask: jax.Array,
+        cache_index: jax.Array,
+    ):
+        c, det, rows = self.config, self.deterministic, rows_of(row_ids, layer)
+        norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
+        h = RMSNorm(**norm, name="pre_self_attention_layer_norm")(x)
+        attn = Attention(c, det, name="self_attention")
+        k, v = attn.keys_values(h)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, cache_index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, cache_index, axis=1)
+        x = x + Dropout(c.dropout_rate, det)(attn(h, k, v, self_mask, self_bias_HTS, rows), rows)
+
+        h = RMSNorm(**norm, name="pre_cross_attention_layer_norm")(x)
+        cross = Attention(c, det, name="encoder_decoder_attention")
+        if cache is not None and "cross_k" in cache:
+            ck, cv = cache["cross_k"], cache["cross_v"]
+        else:  # Training, or the first decoding step, which fills the cross-attention cache.
+            ck, cv = cross.keys_values(encoded)
+        x = x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
+
+        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
+        x = nn.with_logical_constraint(x + Dropout(c.dropout_rate, det)(h, rows), EMBED)
+        new_cache = None if cache is None else dict(self_k=k, self_v=v, cross_k=ck, cross_v=cv)
+        return x, new_cache
