@@ -20,6 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from longt5_jax.cli import UsageError
+from longt5_jax.keypath import path_text
 from longt5_jax.model.config import LongT5Config
 
 
@@ -270,14 +271,6 @@ def _sharding_text(sharding: Any) -> str:
         return "single device"
     mesh = " x ".join(f"{n}{s}" for n, s in zip(sharding.axis_names, sharding.shape, strict=True))
     return f"{tuple(spec) or 'replicated'} over {mesh}"
-
-
-def _key_text(key: Any) -> str:
-    return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
-
-
-def path_text(path: tuple) -> str:
-    return "/".join(_key_text(k) for k in path)
 
 
 def saved_tree(step_dir: Path, item: str = "state") -> Any:

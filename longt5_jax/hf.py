@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import flax.linen as nn
 import flax.traverse_util
 import numpy as np
 
+from longt5_jax.atomic import publishing, write_atomic
 from longt5_jax.model.config import LongT5Config
 
 Params = dict[str, Any]
@@ -194,14 +194,10 @@ def plain(params: Params) -> Params:
 
 def param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
     """Our parameter paths ('/'-joined) and shapes for `config`, traced without arrays."""
-    import jax
-    import jax.numpy as jnp
-
     from longt5_jax.model import LongT5
+    from longt5_jax.step import abstract_params
 
-    ids = jnp.ones((1, 1), jnp.int32)
-    tree = jax.eval_shape(lambda: LongT5(config).init(jax.random.key(0), ids, None, ids))
-    flat = flax.traverse_util.flatten_dict(plain(tree), sep="/")
+    flat = flax.traverse_util.flatten_dict(plain(abstract_params(LongT5(config))), sep="/")
     return {k: tuple(v.shape) for k, v in flat.items()}
 
 
@@ -340,20 +336,6 @@ def save(config: LongT5Config, params: Params, path: str | os.PathLike) -> None:
     # on load; without these copies it warns they are newly initialised before recovering them.
     for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
         state[alias] = state["shared.weight"]
-    _atomic_write(
-        path / "model.safetensors", lambda f: save_file(state, f, metadata={"format": "pt"})
-    )
-    text = json.dumps(config_to_hf(config), indent=2) + "\n"
-    _atomic_write(path / "config.json", lambda f: Path(f).write_text(text))
-
-
-def _atomic_write(target: Path, write) -> None:
-    """Write next to `target` and rename over it, so a failure never leaves a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with publishing(path / "model.safetensors") as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    write_atomic(path / "config.json", json.dumps(config_to_hf(config), indent=2) + "\n")

@@ -13,7 +13,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -23,7 +22,7 @@ from longt5_jax.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 from longt5_jax.parallel.sharding import activation_context, tree_shardings
-from longt5_jax.step import eval_stats
+from longt5_jax.step import abstract_params, eval_stats, placed
 
 
 def load_tokenizer_for(step_dir: Path, override: str = "") -> Tokenizer:
@@ -44,22 +43,13 @@ def load_tokenizer_for(step_dir: Path, override: str = "") -> Tokenizer:
 
 def param_shardings(config: LongT5Config, mesh: Mesh, zero_stage: int) -> Any:
     """How the parameters lie on `mesh` per the rule table."""
-    ids = jnp.ones((1, 1), jnp.int32)
-    boxed = jax.eval_shape(lambda k: LongT5(config).init(k, ids, None, ids), jax.random.key(0))
-    return tree_shardings(boxed["params"], mesh, "params", zero_stage)
+    return tree_shardings(abstract_params(LongT5(config)), mesh, "params", zero_stage)
 
 
-def abstract_params(config: LongT5Config, mesh: Mesh, zero_stage: int) -> Any:
+def restore_target(config: LongT5Config, mesh: Mesh, zero_stage: int) -> Any:
     """Shapes, dtypes and shardings of the parameters: the target a restore fills."""
-    ids = jnp.ones((1, 1), jnp.int32)
-    shapes = jax.eval_shape(
-        lambda k: nn.unbox(LongT5(config).init(k, ids, None, ids))["params"], jax.random.key(0)
-    )
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        shapes,
-        param_shardings(config, mesh, zero_stage),
-    )
+    boxed = abstract_params(LongT5(config))
+    return placed(nn.unbox(boxed), tree_shardings(boxed, mesh, "params", zero_stage))
 
 
 @dataclasses.dataclass
@@ -104,5 +94,5 @@ def from_checkpoint(
     config = model_config(step_dir)
     plan = decoding_plan(plan)
     mesh = make_mesh(plan)
-    params = restore_params(step_dir, abstract_params(config, mesh, plan.zero_stage))
+    params = restore_params(step_dir, restore_target(config, mesh, plan.zero_stage))
     return Generator(LongT5(config), params, mesh, plan, decode, length), config

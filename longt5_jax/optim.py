@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from longt5_jax.keypath import KeyPath, key_names
+
 PyTree = Any
-KeyPath = Sequence[Any]
 
 # The scan module name in model/transformer.py; leaves below it carry a leading layers axis.
 STACKED_KEY = "layers"
@@ -158,7 +159,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 def weight_decay_mask(params: PyTree) -> PyTree:
     """True where AdamW decays: leaves with >= 2 non-layer axes, except relpos tables."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, p: RELPOS_KEY not in _key_names(path) and len(_layer_axes(path, p.ndim)) >= 2,
+        lambda path, p: RELPOS_KEY not in key_names(path) and len(_layer_axes(path, p.ndim)) >= 2,
         params,
     )
 
@@ -253,7 +254,7 @@ def moment_axes(state_path: KeyPath, path: KeyPath, shape: Sequence[int]) -> tup
     (`v_row`: rows, `v_col`: columns); any other field keeps them all. Whether the leaf is
     factored at all is its shape's business: a placeholder [1] keeps none, and the caller sees
     the mismatch."""
-    return _kept_axes((_key_names(state_path) or ("",))[-1], path, shape)
+    return _kept_axes((key_names(state_path) or ("",))[-1], path, shape)
 
 
 def _kept_axes(field: str, path: KeyPath, shape: Sequence[int]) -> tuple[int, ...]:
@@ -338,16 +339,5 @@ def _layer_rms(path: KeyPath, x: jax.Array) -> jax.Array:
 
 def _layer_axes(path: KeyPath, ndim: int) -> tuple[int, ...]:
     """The axes of one layer: all but a leading layers axis when the leaf is stacked."""
-    stacked = ndim >= 1 and STACKED_KEY in _key_names(path)
+    stacked = ndim >= 1 and STACKED_KEY in key_names(path)
     return tuple(range(int(stacked), ndim))
-
-
-def _key_names(path: KeyPath) -> tuple[str, ...]:
-    """Dict keys, attribute names and indices along a pytree key path, as strings."""
-    names = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-    return tuple(names)

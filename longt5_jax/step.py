@@ -177,6 +177,25 @@ def train_step(
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
+def init_params(model: LongT5, key: jax.Array) -> Any:
+    """The model's parameters, boxed with their logical axes."""
+    ids = jnp.ones((1, 1), jnp.int32)
+    return model.init(key, ids, None, ids)["params"]
+
+
+def abstract_params(model: LongT5) -> Any:
+    """The parameters' shapes and dtypes, boxed with their logical axes; nothing is allocated."""
+    return jax.eval_shape(functools.partial(init_params, model), jax.random.key(0))
+
+
+def placed(shapes: Any, shardings: Any) -> Any:
+    """`shapes` as ShapeDtypeStructs laid out per `shardings`: what a restore fills, or what
+    a compile ahead of time takes for arrays."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
 @dataclasses.dataclass
 class ShardedStep:
     """A jitted train step and sharded initialiser for a model on a mesh, per a MeshConfig plan."""
@@ -188,9 +207,8 @@ class ShardedStep:
     plan: MeshConfig
 
     def __post_init__(self):
-        ids = jnp.ones((1, 1), jnp.int32)
-        self._init_params = lambda key: self.model.init(key, ids, None, ids)["params"]
-        boxed = jax.eval_shape(self._init_params, jax.random.key(0))
+        self._init_params = functools.partial(init_params, self.model)
+        boxed = abstract_params(self.model)
         zero = self.plan.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
         self.grad_shardings = tree_shardings(boxed, self.mesh, "grads", zero)

@@ -8,6 +8,7 @@ about as much as its slowest case.
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,16 +182,39 @@ def test_data_preview_needs_no_model_dir(cache):
     assert preview.main(argv) == 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", ["predict", "evaluate"])
-def test_a_damaged_checkpoint_is_one_line_without_orbax_noise(cache, tmp_path, command):
-    """Every array file of a short run's checkpoints overwritten: the read fails in one line."""
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, cache):
+    """A one-step run of the demo at test sizes, its last step saved."""
     from test_train import TINY_RUN
 
     from longt5_jax import train
 
-    run = tmp_path / "run"
+    run = tmp_path_factory.mktemp("short") / "run"
     assert train.main([*TINY_RUN, "--gin.RunConfig.train_steps=1", f"--gin.MODEL_DIR='{run}'"]) == 0
+    return run
+
+
+@pytest.mark.slow
+def test_ckpt_done_tells_a_job_script_whether_to_requeue(short_run, tmp_path, capsys):
+    from longt5_jax.ckpt.__main__ import main
+
+    assert main(["done", str(short_run)]) == 0
+    assert capsys.readouterr().out.strip() == f"{short_run}: saved step 1 of 1"
+    unfinished = tmp_path / "run"
+    shutil.copytree(short_run, unfinished)
+    shutil.rmtree(unfinished / "checkpoints")
+    assert main(["done", str(unfinished)]) == 1
+    assert capsys.readouterr().out.strip() == f"{unfinished}: saved step 0 of 1"
+    assert main(["done", str(tmp_path)]) == 2
+    assert "no config.gin" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["predict", "evaluate"])
+def test_a_damaged_checkpoint_is_one_line_without_orbax_noise(short_run, cache, tmp_path, command):
+    """Every array file of a short run's checkpoint overwritten: the read fails in one line."""
+    run = tmp_path / "run"
+    shutil.copytree(short_run, run)
     for f in run.glob("checkpoints/*/state/ocdbt.process_0/d/*"):
         f.write_bytes(bytes(range(100)))
     _prepare(tmp_path)

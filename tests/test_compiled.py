@@ -20,6 +20,7 @@ from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.plan import compile_ahead as aot
 from longt5_jax.plan import hlo
+from longt5_jax.step import abstract_params
 
 CONFIG = LongT5Config.preset("tiny", "local", d_model=64, d_ff=256, d_kv=16)
 SHAPE = (16, 64, 16)  # batch, input length, target length
@@ -29,7 +30,7 @@ def _measured(zero_stage: int) -> tuple[dict, dict, hlo.Memory]:
     step = aot.sharded_step(CONFIG, MeshConfig(data=8, zero_stage=zero_stage))
     params = aot.abstract_state(step).params
     grad = sum(4 * int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    boxed = jax.eval_shape(step._init_params, jax.random.key(0))
+    boxed = abstract_params(step.model)
     specs = jax.tree.leaves(
         nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
     )
@@ -186,9 +187,7 @@ def test_flops_match_xla_cost_analysis(attention):
     config = LongT5Config.preset("tiny", attention, num_encoder_layers=1, num_decoder_layers=1)
     model, (b, length, target) = LongT5(config), (2, 64, 16)
     ids, dec = jnp.ones((b, length), jnp.int32), jnp.ones((b, target), jnp.int32)
-    params = nn.unbox(
-        jax.eval_shape(lambda: model.init(jax.random.key(0), ids, None, dec)["params"])
-    )
+    params = nn.unbox(abstract_params(model))
 
     def loss(p):
         return jnp.sum(model.apply({"params": p}, ids, None, dec))

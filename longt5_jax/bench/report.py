@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from longt5_jax.atomic import write_atomic
+
 
 def write_json(out_dir: str | Path, name: str, report: Any) -> Path:
     """`report` as OUT_DIR/NAME.json (the directory made if needed)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2))
+    path = Path(out_dir) / f"{name}.json"
+    write_atomic(path, json.dumps(report, indent=2))  # a killed run keeps the last whole report
     print(f"wrote {path}")
     return path
 

@@ -25,6 +25,7 @@ import jax
 from longt5_jax import flops
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
+from longt5_jax.bench.report import pyplot
 from longt5_jax.model import LongT5Config
 
 
@@ -223,11 +224,7 @@ def _plot(report: dict, out: Path) -> str | None:
     rows = report["scaling"]
     if not rows:
         return "no scaling rows: no plot"
-    import matplotlib  # imported here: it takes a second, and only the plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = [r["input_length"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.loglog(lengths, [r["step_s"]["median"] for r in rows], "o-", label="ours (TGlobal)")

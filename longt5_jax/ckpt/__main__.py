@@ -1,7 +1,8 @@
 """`python -m longt5_jax.ckpt <command>`: inspect, check and convert checkpoints.
 
 Every command takes `--json`; wherever a command takes CKPT, a MODEL_DIR means its latest
-complete checkpoint. Exit status: 0 done, 1 `verify` found problems, 2 bad input.
+complete checkpoint. Exit status: 0 done, 1 `verify` found problems or `done` found steps to go,
+2 bad input.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "diff":
             p.add_argument("CKPT_B")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    done = "whether a run saved its last step (exit 0) or has steps to go (exit 1)"
+    sub.add_parser("done", help=done, description=done).add_argument("MODEL_DIR")
     conv = sub.add_parser("convert", help="hf-to-native, native-to-hf or t5x-to-native")
     conv.add_argument("direction", choices=("hf-to-native", "native-to-hf", "t5x-to-native"))
     conv.add_argument("SRC", help="transformers directory, CKPT or T5X checkpoint_N directory")
@@ -63,8 +66,8 @@ def _overrides(pairs: list[str]) -> dict:
 def _run(args: argparse.Namespace):
     from longt5_jax.ckpt import commands
 
-    if args.command == "ls":
-        return commands.ls(args.MODEL_DIR)
+    if args.command in ("ls", "done"):
+        return getattr(commands, args.command)(args.MODEL_DIR)
     if args.command == "diff":
         return commands.diff(args.CKPT, args.CKPT_B)
     if args.command != "convert":
@@ -104,6 +107,8 @@ def _text(command: str, result) -> str:
         return _table(result, ["path", "shape", "norm", "min", "max", "nan", "inf"])
     if command == "config":
         return result.get("gin", "")
+    if command == "done":
+        return f"{result['path']}: saved step {result['saved']} of {result['steps']}"
     if command == "verify":
         head = f"{result['path']}: {result['arrays']} arrays, {result['bytes']:,} bytes"
         problems = "\n".join(f"  {p}" for p in result["problems"])
@@ -126,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     result = _run(args)
-    print(json.dumps(result, indent=1) if args.json else _text(args.command, result))
-    return 1 if args.command == "verify" and not result["ok"] else 0
+    print(
+        json.dumps(result, indent=1)
+        if getattr(args, "json", False)
+        else _text(args.command, result)
+    )
+    return 1 if args.command in ("verify", "done") and not result["ok"] else 0
 
 
 if __name__ == "__main__":

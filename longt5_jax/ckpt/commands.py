@@ -20,7 +20,6 @@ from longt5_jax.checkpoint import (
     CheckpointError,
     array_infos,
     is_complete,
-    path_text,
     resolve,
     saved_config,
     saved_tree,
@@ -29,6 +28,7 @@ from longt5_jax.checkpoint import (
     step_of,
     unreadable,
 )
+from longt5_jax.keypath import path_text
 
 
 def _size(path: Path) -> int:
@@ -56,6 +56,20 @@ def ls(model_dir: str | Path) -> list[dict]:
         }
         for d in found
     ]
+
+
+def done(model_dir: str | Path) -> dict:
+    """Whether the run in MODEL_DIR saved its last step (RunConfig.train_steps of the config it
+    saved): what a job script asks before it requeues itself."""
+    from longt5_jax import configuration
+
+    root = Path(model_dir)
+    if not (root / "config.gin").is_file():
+        raise CheckpointError(f"{root}: no config.gin (expected the MODEL_DIR of a started run)")
+    cfg, _ = configuration.from_args([f"--gin_file={root / 'config.gin'}"], ("run",))
+    steps = cfg["run"].train_steps
+    saved = max((step_of(d) for d in step_dirs(root) if is_complete(d)), default=0)
+    return {"path": str(root), "saved": saved, "steps": steps, "ok": saved >= steps}
 
 
 def tree(ckpt: str | Path) -> list[dict]:

@@ -9,9 +9,6 @@ place at the end: a failing conversion leaves nothing, and an existing path is n
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from longt5_jax import hf
+from longt5_jax.atomic import publishing
 from longt5_jax.checkpoint import CheckpointError, model_config, resolve
 from longt5_jax.ckpt import t5x
 from longt5_jax.ckpt.commands import Arrays
@@ -34,16 +32,10 @@ def _fresh(out: str | Path) -> Path:
 
 
 def _into_place(out: Path, write) -> Path:
-    """Run `write(tmp_dir)` and rename the result to `out`; on failure remove it."""
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    """Run `write(tmp_dir)` and rename the result to `out` (absent or empty, checked by _fresh);
+    on failure remove it."""
+    with publishing(out, directory=True) as tmp:
         write(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked by _fresh
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

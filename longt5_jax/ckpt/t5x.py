@@ -21,8 +21,6 @@ import functools
 import math
 import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
+from longt5_jax.atomic import publishing
 from longt5_jax.hf import Params, param_shapes, plain
 from longt5_jax.model.config import LongT5Config
 
@@ -310,11 +309,8 @@ def save(
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"{path}: already exists and is not empty; refusing to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling, so the final rename stays on one file system; the dot hides it from T5X's glob.
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
+    # A hidden sibling: the final rename stays on one file system, and T5X's glob skips it.
+    with publishing(path, directory=True) as tmp:
         specs = {name: _spec(name, x.shape, dtype) for name, x in arrays.items()}
         opening = {
             n: ts.open({**_local(s, tmp), "dtype": dtype, "metadata": s["metadata"]}, create=True)
@@ -327,7 +323,3 @@ def save(
         state = {"step": np.asarray(step, np.int32)}  # inline, as T5X writes unpartitioned values
         contents = {"version": VERSION, "optimizer": {"target": target, "state": state}}
         (tmp / "checkpoint").write_bytes(flax.serialization.msgpack_serialize(contents))
-        os.replace(tmp, path)  # replaces `path` only if it is (still) an empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -23,6 +23,8 @@ from pathlib import Path
 from array_record.python import array_record_module
 from tqdm import tqdm
 
+from longt5_jax import cli
+from longt5_jax.atomic import publishing
 from longt5_jax.data.sources import FORMATS, DataError, open_source
 
 # Grain reads one record at a time; a group size of 1 makes each read decode only that record.
@@ -49,22 +51,16 @@ def _write_shard(
     progress: tqdm,
 ) -> None:
     """Writes one shard under a temporary name and renames it only once it is complete."""
-    # The temporary name is hidden and does not end in .array_record, so no glob mistakes it for
-    # a shard if the run dies.
-    tmp = path.with_name(f".{path.name}.tmp")
-    writer = array_record_module.ArrayRecordWriter(str(tmp), WRITER_OPTIONS)
-    try:
-        for index in indices:
-            example = source[index]
-            record = {fields[0]: example["inputs"], fields[1]: example["targets"]}
-            writer.write(json.dumps(record, ensure_ascii=False).encode("utf-8"))
-            progress.update()
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        if writer.is_open():
+    with publishing(path) as tmp:
+        writer = array_record_module.ArrayRecordWriter(str(tmp), WRITER_OPTIONS)
+        try:
+            for index in indices:
+                example = source[index]
+                record = {fields[0]: example["inputs"], fields[1]: example["targets"]}
+                writer.write(json.dumps(record, ensure_ascii=False).encode("utf-8"))
+                progress.update()
+        finally:
             writer.close()
-        tmp.unlink(missing_ok=True)
 
 
 def check_no_shards(output_dir: Path, name: str, overwrite: bool) -> None:
@@ -100,10 +96,12 @@ def write_shards(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(
+        prog="python -m longt5_jax.data.convert", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--input", nargs="+", required=True, help="files or glob patterns")
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--num_shards", type=int, default=1)
+    parser.add_argument("--num_shards", type=cli.positive, default=1)
     parser.add_argument("--name", default="train", help="shard name prefix, e.g. train")
     parser.add_argument("--input_field", default="article")
     parser.add_argument("--target_field", default="abstract")
@@ -111,26 +109,26 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip_bad_records", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace existing shards")
     args = parser.parse_args(argv)
-    if args.num_shards < 1:
-        parser.error(f"--num_shards must be >= 1, got {args.num_shards}")
+    if args.skip_bad_records < 0:
+        parser.error(f"--skip_bad_records={args.skip_bad_records}: expected >= 0")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (1 with a one-line error for bad input)."""
+    """Runs the CLI; returns the exit status (2 with a one-line error for bad input)."""
+    return cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str]) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     fields = (args.input_field, args.target_field)
-    try:
-        # Checked before reading the input, which can take minutes to validate.
-        check_no_shards(Path(args.output_dir), args.name, args.overwrite)
-        source = open_source(args.input, *fields, args.skip_bad_records, args.format)
-        paths = write_shards(
-            source, args.output_dir, args.num_shards, args.name, fields, args.overwrite
-        )
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Checked before reading the input, which can take minutes to validate.
+    check_no_shards(Path(args.output_dir), args.name, args.overwrite)
+    source = open_source(args.input, *fields, args.skip_bad_records, args.format)
+    paths = write_shards(
+        source, args.output_dir, args.num_shards, args.name, fields, args.overwrite
+    )
     size = sum(p.stat().st_size for p in paths)
     print(f"read {source!r}")
     print(

@@ -19,9 +19,7 @@ import logging
 import mmap
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -32,6 +30,7 @@ import zstandard
 from array_record.python import array_record_module
 from grain.sources import ArrayRecordDataSource
 
+from longt5_jax.atomic import publishing
 from longt5_jax.cli import UsageError
 from longt5_jax.data import cache_dir
 
@@ -192,17 +191,12 @@ def _plain_jsonl(path: str) -> str:
     cached = cache_dir() / "jsonl" / f"{digest[:32]}.jsonl"
     if cached.exists():
         return str(cached)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    # Write under a temporary name so a concurrent or interrupted run never sees a partial copy.
-    fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
+    cached.parent.mkdir(parents=True, exist_ok=True)  # unwritable cache: not a bad input file
+    try:  # shared: workers and concurrent runs may decompress the same file at once
+        with publishing(cached, shared=True) as tmp, open(tmp, "wb") as out:
             decompress(path, out)
-        os.replace(tmp, cached)
     except (OSError, EOFError, zstandard.ZstdError) as e:
         raise DataError(f"{path}: cannot decompress ({e})") from e
-    finally:
-        Path(tmp).unlink(missing_ok=True)
     return str(cached)
 
 

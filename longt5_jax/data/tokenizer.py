@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
+from longt5_jax.atomic import write_atomic
 from longt5_jax.data import cache_dir
 from longt5_jax.data.sources import DataError
 
@@ -109,7 +109,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, name: str) -> Path:
     target = cache_dir() / f"{name}-{vocab_size}-{digest.hexdigest()[:16]}.model"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts),
@@ -128,9 +127,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, name: str) -> Path:
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
-    # Write then rename: concurrent first uses (several processes) never read a partial file.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, target)
+    # Concurrent first uses (several processes) each train and write the same file.
+    write_atomic(target, model.getvalue(), shared=True)
     return target

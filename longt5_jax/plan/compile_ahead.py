@@ -24,20 +24,16 @@ from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, compile_only, make_mesh, node_of
 from longt5_jax.plan import cost, hlo, hlo_module, roofline
-from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState
+from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState, abstract_params, placed
 
 
 def abstract_state(step: ShardedStep) -> TrainState:
     """The train state as sharded ShapeDtypeStructs."""
-    params = nn.unbox(jax.eval_shape(step._init_params, jax.random.key(0)))
+    params = nn.unbox(abstract_params(step.model))
     shapes = TrainState(
         jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(step.optimizer.init, params)
     )
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        shapes,
-        step.state_shardings,
-    )
+    return placed(shapes, step.state_shardings)
 
 
 def abstract_batch(

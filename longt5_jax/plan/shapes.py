@@ -8,11 +8,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from longt5_jax.keypath import path_text
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.rules import rules
+from longt5_jax.step import abstract_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +45,7 @@ class ModelShapes:
 
     @classmethod
     def of(cls, config: LongT5Config, optimizer: Any) -> ModelShapes:
-        ids = jnp.ones((1, 1), jnp.int32)
-        boxed = jax.eval_shape(
-            lambda k: LongT5(config).init(k, ids, None, ids)["params"], jax.random.key(0)
-        )
+        boxed = abstract_params(LongT5(config))
         specs = jax.tree.leaves(
             nn.get_partition_spec(boxed),
             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
@@ -56,7 +54,7 @@ class ModelShapes:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         leaves = tuple(
             Leaf(
-                "/".join(str(getattr(k, "key", k)) for k in path),
+                path_text(path),
                 tuple(x.shape),
                 tuple(s) + (None,) * (len(x.shape) - len(s)),
             )

@@ -13,12 +13,13 @@ GPU and direction) come from the table below, chosen by compute capability; flag
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import os
 import re
 from pathlib import Path
+
+from longt5_jax import cli
 
 SPECS = Path(__file__).parent / "gpu_specs"
 # The CUDA plugin checks the driver when jax starts unless told not to; deviceless there is no
@@ -135,8 +136,7 @@ def devices(target: Target, nodes: int, gpus_per_node: int) -> list:
 
     count = nodes * gpus_per_node
     if not target.is_gpu:
-        with contextlib.suppress(RuntimeError):  # possible only before the backend starts
-            jax.config.update("jax_num_cpu_devices", count)
+        cli.cpu_devices(count)
         found = jax.devices("cpu")
         if len(found) != count:
             raise RuntimeError(f"{count} CPU devices are needed, this process has {len(found)}")
