@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longt5_jax.bench.report import write_json
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
 from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5, LongT5Config
@@ -111,12 +110,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{step:>11.0f} {row['ratio']:>10.1f}x",
                 flush=True,
             )
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "data.json").write_text(
-        json.dumps(
-            {"device": str(jax.devices()[0]), "batch_size": args.batch_size, "rows": rows}, indent=2
-        )
-    )
-    print(f"wrote {out / 'data.json'}")
+    report = {"device": str(jax.devices()[0]), "batch_size": args.batch_size, "rows": rows}
+    write_json(args.out_dir, "data", report)
     return 0

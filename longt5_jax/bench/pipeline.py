@@ -12,7 +12,6 @@ Memory per device comes from the compiled executable (XLA's buffer assignment).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 import optax
 
+from longt5_jax import cli
 from longt5_jax.bench.report import write_json
 from longt5_jax.data import batching
 from longt5_jax.model import LongT5, LongT5Config
@@ -86,12 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
     parser.add_argument("--out_dir", default="bench_out")
     args = parser.parse_args(argv)
-    if jax.config.jax_platforms in (None, "", "cpu"):
-        # Fake CPU devices, possible only before the backend starts (a test process has its own).
-        with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices", 8)
+    cli.cpu_devices(8)
     if jax.device_count() != 8:
-        raise SystemExit(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
+        raise cli.UsageError(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
 
     config = LongT5Config.preset(
         "tiny",

@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 
 from longt5_jax.bench import train_steps as ts
+from longt5_jax.bench.report import write_json
 from longt5_jax.model import LongT5Config
 from longt5_jax.plan import hlo_module
 
@@ -170,7 +171,7 @@ def main(argv: list[str]) -> int:
         "breakdown": breakdown(trace, step.compiled.as_text(), args.top),
     }
     _print(report)
-    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    write_json(out, "profile", report)
     # The program the trace ran, so the breakdown can be redone or read further.
     (out / "profile_hlo.txt").write_text(step.compiled.as_text())
     print(f"wrote {out / 'profile.json'} (trace: {traces[-1]})")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import statistics
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import jax
 from longt5_jax import flops
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
-from longt5_jax.bench.report import pyplot
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
 
 
@@ -232,7 +231,7 @@ def _plot(report: dict, out: Path) -> str | None:
     ax.set_xlabel("input tokens")
     ax.set_ylabel("train step s")
     ax.legend()
-    fig.savefig(out / "speed.png", dpi=120, bbox_inches="tight")
+    save_figure(fig, out / "speed.png")
     return None
 
 
@@ -273,13 +272,14 @@ def main(argv: list[str]) -> int:
         "scaling": [],
     }
     # Written before the scaling runs too: a long input that runs out of memory keeps the race.
-    (out / "speed.json").write_text(json.dumps(report, indent=2))
+    write_json(out, "speed", report)
     long_config = dataclasses.replace(config, remat=args.scaling_remat)
     report["scaling"] = scaling(long_config, args) if args.scaling_lengths else []
     if report["scaling"]:
         _print_scaling(report["scaling"], args.scaling_reference)
     note = _plot(report, out)
     report["plot"] = note or "speed.png"
-    (out / "speed.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'speed.json'}" + (f" ({note})" if note else f", {out / 'speed.png'}"))
+    write_json(out, "speed", report)
+    if note:
+        print(note)
     return 0

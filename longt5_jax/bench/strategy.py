@@ -14,7 +14,6 @@ efficiency), each collective at the intra- or inter-node bandwidth its groups ne
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from longt5_jax import flops
+from longt5_jax import cli, flops
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
@@ -218,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if jax.config.jax_platforms in (None, "", "cpu"):
-        with contextlib.suppress(RuntimeError):  # possible only before the backend starts
-            jax.config.update("jax_num_cpu_devices", 8)
+    cli.cpu_devices(8)
     if jax.device_count() != 8:
         print(
             f"error: the strategy table needs 8 devices, found {jax.device_count()}",
