@@ -3,6 +3,12 @@
 import os
 from pathlib import Path
 
+from longt5_jax.cli import UsageError
+
+
+class DataError(UsageError):
+    """Bad input data or paths, in one line naming the file, the place in it and the field."""
+
 
 def cache_dir() -> Path:
     """Where derived files (trained tokenizers, decompressed JSONL) are kept: $LONGT5_JAX_CACHE."""

@@ -11,28 +11,23 @@ from __future__ import annotations
 import array
 import bisect
 import glob
-import gzip
-import hashlib
 import itertools
 import json
 import logging
 import mmap
 import os
-import shutil
-from collections.abc import Callable, Sequence
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import zstandard
 from array_record.python import array_record_module
 from grain.sources import ArrayRecordDataSource
 
-from longt5_jax.atomic import publishing
-from longt5_jax.cli import UsageError
-from longt5_jax.data import cache_dir
+from longt5_jax.data import DataError
+from longt5_jax.data.compressed import plain_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +39,6 @@ _EXTENSIONS = dict.fromkeys([".jsonl", ".jsonl.gz", ".jsonl.zst", ".json"], "jso
     ".array_record": "array_record",
     ".arrayrecord": "array_record",
 }
-_GZIP_MAGIC = b"\x1f\x8b"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
-
-class DataError(UsageError):
-    """Bad input data or paths, in one line naming the file, the place in it and the field."""
 
 
 class _Problem(Exception):
@@ -150,56 +139,6 @@ class _MultiFileSource:
         )
 
 
-def _gunzip(path: str, out: IO[bytes]) -> None:
-    with gzip.open(path) as src:
-        shutil.copyfileobj(src, out, 1 << 20)
-
-
-def _unzstd(path: str, out: IO[bytes]) -> None:
-    """Decompresses concatenated zstd frames, failing on a truncated last frame."""
-    # zstandard's stream_reader and copy_stream stop silently inside a truncated frame.
-    context = zstandard.ZstdDecompressor()
-    frame, fed = context.decompressobj(), False
-    with open(path, "rb") as src:
-        while chunk := src.read(1 << 20):
-            while chunk:
-                out.write(frame.decompress(chunk))
-                fed = not frame.eof
-                if fed:
-                    break
-                chunk, frame = frame.unused_data, context.decompressobj()
-    if fed:
-        raise zstandard.ZstdError("the last frame is truncated")
-
-
-def _plain_jsonl(path: str) -> str:
-    """Returns a seekable uncompressed path for a JSONL file: itself, or a cached decompression."""
-    # Seeking in a gzip/zstd stream decompresses from the start (or needs a dependency that indexes
-    # it); one decompression into a cache keyed by content hash gives O(1) seeks, is shared by all
-    # worker processes and later runs, and can never be stale.
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    decompress: Callable[[str, IO[bytes]], None]
-    if magic.startswith(_GZIP_MAGIC):
-        decompress = _gunzip
-    elif magic == _ZSTD_MAGIC:
-        decompress = _unzstd
-    else:
-        return path
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    cached = cache_dir() / "jsonl" / f"{digest[:32]}.jsonl"
-    if cached.exists():
-        return str(cached)
-    cached.parent.mkdir(parents=True, exist_ok=True)  # unwritable cache: not a bad input file
-    try:  # shared: workers and concurrent runs may decompress the same file at once
-        with publishing(cached, shared=True) as tmp, open(tmp, "wb") as out:
-            decompress(path, out)
-    except (OSError, EOFError, zstandard.ZstdError) as e:
-        raise DataError(f"{path}: cannot decompress ({e})") from e
-    return str(cached)
-
-
 def _scan_jsonl(plain: str, shown: str, fields: tuple[str, str], bad: _BadRecords) -> np.ndarray:
     """Validates every line; returns the [start, end) byte span of each good one, shape [N, 2]."""
     spans = array.array("q")  # compact while scanning millions of lines
@@ -233,7 +172,7 @@ class JsonlSource(_MultiFileSource):
         self._plain, self._spans = [], []
         for path in self._paths:
             _require_file(path)
-            self._plain.append(_plain_jsonl(path))
+            self._plain.append(plain_jsonl(path))
             self._spans.append(_scan_jsonl(self._plain[-1], path, self._fields, bad))
         self._ends = list(itertools.accumulate(len(s) for s in self._spans))
 
