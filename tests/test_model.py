@@ -115,7 +115,8 @@ def test_remat_changes_memory_not_gradients(remat):
     batch = padded_batch(config, [21, 9], [5, 3], 21, 5)
     want = jax.grad(_loss)(params, config, batch)
     got = jax.grad(_loss)(params, dataclasses.replace(config, remat=remat), batch)
-    # Recomputation may fuse float ops differently, so equal up to float32 rounding.
+    # Recomputation may fuse float ops differently, so equal up to float32 rounding (5.4e-7
+    # measured for both policies).
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert max_rel(a, b)[1] <= 1e-6
 
@@ -153,9 +154,10 @@ def test_a_rows_dropout_masks_follow_its_global_index():
         )
 
     whole, alone = logits(slice(None)), logits(slice(2, 4), jnp.array([2, 3]))
+    # Measured: |alone - whole| <= 3.6e-6 (1 + |whole|), logits up to 5.9 in size.
     np.testing.assert_allclose(alone, whole[2:], rtol=1e-5, atol=1e-5)
     as_rows_0_1 = logits(slice(2, 4))
-    assert np.abs(as_rows_0_1 - whole[2:]).max() > 1e-2
+    assert np.abs(as_rows_0_1 - whole[2:]).max() > 1.0  # 8.3 measured
 
 
 def test_dropout_keeps_one_minus_rate_and_rescales():
@@ -169,6 +171,8 @@ def test_dropout_keeps_one_minus_rate_and_rescales():
 
     y = np.asarray(run([0, 1, 2], 0))
     assert set(np.unique(y)) == {0.0, np.float32(1 / 0.75)}
+    # A sampled share: 0.01 is 2.6 standard deviations of 12288 draws (this key's is 3.3e-4
+    # off; a bound fitted to one draw would fail for other keys).
     assert abs((y > 0).mean() - 0.75) < 0.01
     assert (y[0] != y[1]).any() and (y[0] != np.asarray(run([0, 1, 2], 1))[0]).any()
     np.testing.assert_array_equal(np.asarray(run([2, 0, 1], 0))[1], y[0])
@@ -198,6 +202,8 @@ def test_logical_names_shard_over_a_mesh_without_changing_results(attention):
         hlo = step.lower(sharded, config, batch).as_text()
         assert "sharding_constraint" in hlo  # the activation names took effect
         loss, grads = step(sharded, config, batch)
-    assert max_rel(loss, want_loss)[1] <= 1e-5
+    # Measured: the loss within 9.3e-8 relative (1 float32 ulp), gradients within 3.1e-6 of
+    # each leaf's largest (local; 2.1e-6 TGlobal).
+    assert max_rel(loss, want_loss)[1] <= 5e-7
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         assert max_rel(a, b)[1] <= 1e-5

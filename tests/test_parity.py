@@ -99,19 +99,21 @@ def test_forward_and_loss_match_transformers(attention, case):
     real = batch.attention_mask.astype(bool)
     abs_err, rel_err = max_rel(encoded, out.encoder_last_hidden_state.detach().numpy(), real)
     print(f"\n{case[0]} {attention}: encoder abs {abs_err:.2e} rel {rel_err:.2e}", end="")
-    assert abs_err <= 1e-4 and rel_err <= 1e-5
+    # Worst of every case, both attentions: encoder abs 3.8e-6 rel 1.1e-6, logits abs 1.2e-5
+    # rel 2.7e-6 (tiny-t5-buckets, local), loss abs 9.5e-7 rel 1.4e-7.
+    assert abs_err <= 1e-5 and rel_err <= 3e-6
 
     logits = _logits(params, model, batch)
     assert logits.shape == (*batch.decoder_input_ids.shape, config.vocab_size)
     targets = batch.decoder_attention_mask.astype(bool)
     abs_err, rel_err = max_rel(logits, out.logits.detach().numpy(), targets)
     print(f"; logits abs {abs_err:.2e} rel {rel_err:.2e}", end="")
-    assert abs_err <= 1e-4 and rel_err <= 1e-5
+    assert abs_err <= 3e-5 and rel_err <= 1e-5
 
     loss = _loss(params, model, batch)
     abs_err, rel_err = max_rel(loss, out.loss.item())
     print(f"; loss abs {abs_err:.2e} rel {rel_err:.2e}", end="")
-    assert abs_err <= 1e-4 and rel_err <= 1e-5
+    assert abs_err <= 3e-6 and rel_err <= 5e-7
 
 
 @pytest.mark.parametrize("attention, case", _pairs(CASES[:3]))
@@ -129,7 +131,8 @@ def test_gradients_match_transformers(attention, case):
     print(f"\n{case[0]} {attention}: worst gradient rel {worst[0]:.2e} ({worst[1]})", end="")
     for k in ours:
         assert np.abs(ref[k]).max() > 0, k  # every parameter takes part in the loss
-        assert max_rel(ours[k], ref[k])[1] <= 1e-4, k
+        # Measured: 7.0e-6 at worst (tiny-t5-buckets TGlobal, global_input_layer_norm).
+        assert max_rel(ours[k], ref[k])[1] <= 2e-5, k
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
@@ -149,4 +152,4 @@ def test_bfloat16_compute_stays_close(attention):
     assert np.isfinite(np.asarray(bf16)).all()
     real = batch.decoder_attention_mask.astype(bool)
     _, rel = max_rel(bf16, f32, real)
-    assert rel < 5e-2  # bfloat16 keeps ~3 significant digits through 4 layers
+    assert rel < 5e-2  # bfloat16 keeps ~3 significant digits through 4 layers: 3.0e-2 measured

@@ -95,7 +95,10 @@ def _pipelined(plan_name, attention, reference, batch):
 def test_pipelined_loss_and_gradients_equal_one_device(plan_name, attention, reference, batch):
     (loss, grads), _, _ = _pipelined(plan_name, attention, reference, batch)
     want_loss, want_grads = reference[attention][1]
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    # Measured over every plan and attention: the loss within 1.1e-7 relative (1 float32 ulp;
+    # equal for dp2_tp2_pp2), gradients within 3.6e-6 of each leaf's largest (pp4_dp2, TGlobal;
+    # 2.7e-6 for dp2_tp2_pp2).
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=5e-7)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     for (path, g), w in zip(flat, jax.tree.leaves(want_grads), strict=True):
         g, w = np.asarray(g), np.asarray(w)
@@ -168,7 +171,7 @@ def test_stages_pass_activations_and_never_gather_all_weights(reference, batch):
     )
     one_stage = stacked / (stages * tensor * data)
     gathered = sum(size for _, size in _across_stages(hlo, "all-gather", mesh))
-    assert gathered < 0.5 * one_stage, (gathered, one_stage, config)
+    assert gathered < 0.5 * one_stage, (gathered, one_stage, config)  # measured 0.17 of it
 
 
 def test_pipeline_settings_that_cannot_work_are_one_line_errors(capsys):
@@ -213,7 +216,7 @@ def test_the_demo_trains_pipelined_with_one_flag(tmp_path):
         args = [*TINY_RUN[:1], *extra, *TINY_RUN[1:], "--gin.RunConfig.train_steps=3"]
         assert train.main([*args, f"--gin.MODEL_DIR='{model_dir}'"]) == 0
         runs[name] = [json.loads(r)["loss"] for r in (model_dir / "metrics.jsonl").open()]
-    np.testing.assert_allclose(runs["pp"], runs["plain"], rtol=1e-5)
+    np.testing.assert_allclose(runs["pp"], runs["plain"], rtol=5e-7)  # measured 1.2e-7 (1 ulp)
 
 
 @pytest.mark.parametrize("stages, micro, repeats", [(2, 2, 1), (2, 2, 2)])
@@ -232,21 +235,35 @@ def test_dropout_through_the_stages_draws_the_whole_stacks_masks(stages, micro, 
 
     noisy = dict(deterministic=False, rngs={"dropout": jax.random.key(1)})
     piped = logits(Pipeline(stages, micro, repeats), **noisy)
-    assert np.abs(piped - logits(None)).max() > 1e-2
-    np.testing.assert_allclose(piped, logits(None, **noisy), rtol=1e-5, atol=1e-5)
+    assert np.abs(piped - logits(None)).max() > 1.0  # dropout moves logits by 3.5 here
+    # Measured: |piped - whole| <= 2.1e-6 (1 + |whole|), logits up to 3.7 in size.
+    np.testing.assert_allclose(piped, logits(None, **noisy), rtol=5e-6, atol=5e-6)
 
 
 @pytest.mark.parametrize("stages, micro, repeats", [(2, 8, 1), (2, 2, 2), (4, 4, 2), (4, 8, 3)])
 def test_circular_iterations_run_in_stretches_of_fixed_chunks(stages, micro, repeats):
-    """Every iteration in a stretch of one chunk has every stage in that repeat; the stretches
-    cover the schedule in order, and only (r - 1)(p - 1) iterations select a chunk per stage."""
+    """The stretches against the schedule played forward: microbatch i starts its round j at
+    stage 0 in iteration j m + i and moves one stage per iteration. In a stretch of one chunk
+    every stage at work is in that repeat; chunks are selected per stage exactly in the
+    iterations whose working stages are in two repeats, (r - 1)(p - 1) of them."""
     cfg = Pipeline(stages, micro, repeats)
+    work = {}  # (iteration, stage) -> the repeat it runs
+    for j in range(repeats):
+        for i in range(micro):
+            for s in range(stages):
+                assert (j * micro + i + s, s) not in work  # one microbatch per stage at a time
+                work[j * micro + i + s, s] = j
+    iterations = max(t for t, _ in work) + 1
+    at_work = [{j for (t_, _), j in work.items() if t_ == t} for t in range(iterations)]
     segments = _segments(cfg)
     assert [a for a, _, _ in segments] == [0] + [b for _, b, _ in segments][:-1]
-    assert segments[-1][1] == micro * repeats + stages - 1
+    assert segments[-1][1] == iterations == cfg.iterations
+    selected = set()
     for start, stop, chunk in segments:
         for t in range(start, stop):
-            used = {min(max((t - s) // micro, 0), repeats - 1) for s in range(stages)}
-            assert (used == {chunk}) if chunk is not None else (len(used) == 2)
-    mixed = sum(b - a for a, b, chunk in segments if chunk is None)
-    assert mixed == (repeats - 1) * (stages - 1)
+            if chunk is None:
+                selected.add(t)
+            else:
+                assert at_work[t] == {chunk}, (t, chunk)
+    assert selected == {t for t in range(iterations) if len(at_work[t]) > 1}
+    assert len(selected) == (repeats - 1) * (stages - 1)

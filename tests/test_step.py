@@ -74,10 +74,13 @@ def reference():
 
 
 def _assert_same(got, want):
+    # Measured over every mesh x ZeRO stage, sequence sharding, accumulation and the dropout
+    # layouts: losses within 2.4e-7 relative (2 float32 ulps), parameters after 3 SGD steps
+    # within 5.6e-7 of each leaf's largest (dp2_tp4, 4 microbatches).
     losses, params = got
-    np.testing.assert_allclose(losses, want[0], rtol=1e-5)
+    np.testing.assert_allclose(losses, want[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want[1]), strict=True):
-        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+        assert np.abs(a - b).max() <= 2e-6 * np.abs(b).max()
 
 
 # Every mesh and every ZeRO stage runs by default (half the grid); the whole grid in the slow run.
@@ -106,13 +109,14 @@ ADAFACTOR = OptimizerConfig(
 
 @pytest.mark.slow
 def test_adaptive_optimizer_losses_equal_one_device(reference):
+    # Measured: 2.4e-7 relative for both (2 float32 ulps).
     losses, _ = _run(MeshConfig(data=4, tensor=2, zero_stage=3), optax.adamw(1e-2))
-    np.testing.assert_allclose(losses, reference["adamw"], rtol=1e-5)
+    np.testing.assert_allclose(losses, reference["adamw"], rtol=1e-6)
     one = _run(
         MeshConfig(data=1, zero_stage=0), make_optimizer(ADAFACTOR), devices=jax.devices()[:1]
     )[0]
     sharded = _run(MeshConfig(data=4, tensor=2, zero_stage=3), make_optimizer(ADAFACTOR))[0]
-    np.testing.assert_allclose(sharded, one, rtol=1e-5)
+    np.testing.assert_allclose(sharded, one, rtol=1e-6)
 
 
 def test_adafactor_factored_moments_follow_their_parameters():
@@ -151,9 +155,11 @@ def test_factored_moments_of_a_square_kernel_keep_their_own_axis_split():
 
 def test_bfloat16_gradient_reduction_stays_close(reference):
     losses, params = _run(MeshConfig(data=8, zero_stage=2), optax.sgd(0.5), grad_dtype="bfloat16")
-    np.testing.assert_allclose(losses, reference["sgd"][0], rtol=1e-2)
+    # Measured: losses within 8.2e-5 relative, parameters within 5.2e-3 of each leaf's largest
+    # (bfloat16 keeps ~3 digits).
+    np.testing.assert_allclose(losses, reference["sgd"][0], rtol=3e-4)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference["sgd"][1]), strict=True):
-        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()  # bfloat16 keeps ~3 digits
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
 
 
 def test_sequence_sharding_changes_layout_not_results(reference):
@@ -205,8 +211,8 @@ def test_dropout_masks_follow_the_rows_not_the_layout(reference, dropout_referen
     plan = MeshConfig(
         data=data, tensor=tensor, pipeline=stages, zero_stage=zero, pipeline_microbatches=4
     )
-    # Dropout is on: the losses are not the deterministic run's.
-    assert np.abs(dropout_reference[0] - reference["sgd"][0]).min() > 1e-3
+    # Dropout is on: the losses are not the deterministic run's (they differ by 0.035 or more).
+    assert np.abs(dropout_reference[0] - reference["sgd"][0]).min() > 1e-2
     _assert_same(_dropout_run(plan, micro), dropout_reference)
 
 
@@ -281,8 +287,9 @@ def test_zero3_keeps_a_data_fraction_of_the_state_per_device():
             # Parameters are gathered layer by layer inside the scanned stacks' loops.
             assert any("all-gather" in body for body in _while_bodies(text))
     full = sum(sizes[0])
-    assert sizes[1][0] == sizes[0][0] and sizes[1][1] < 0.2 * sizes[0][1]  # moments sharded
-    assert sum(sizes[3]) < 0.2 * full  # ~1/8 plus the small replicated relpos tables
+    # Both measure 0.1263: 1/8 plus the small replicated relpos tables.
+    assert sizes[1][0] == sizes[0][0] and sizes[1][1] < 0.13 * sizes[0][1]  # moments sharded
+    assert sum(sizes[3]) < 0.13 * full
 
 
 def test_tensor_parallel_step_reduces_over_tensor():
