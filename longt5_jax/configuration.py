@@ -15,16 +15,16 @@ from pathlib import Path
 
 import gin
 
-from longt5_jax.checkpoint import CheckpointConfig
 from longt5_jax.cli import UsageError
 from longt5_jax.data.pipeline import DataConfig
-from longt5_jax.decode import DecodeConfig
-from longt5_jax.evaluation import EvalConfig
+from longt5_jax.infer.decode import DecodeConfig
+from longt5_jax.infer.evaluation import EvalConfig
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.optim import OptimizerConfig
 from longt5_jax.parallel.mesh import MeshConfig
-from longt5_jax.run_config import RunConfig
-from longt5_jax.step import StepConfig
+from longt5_jax.training.checkpoint import CheckpointConfig
+from longt5_jax.training.optim import OptimizerConfig
+from longt5_jax.training.run_config import RunConfig
+from longt5_jax.training.step import StepConfig
 
 CONFIGURABLE = {
     cls.__name__: gin.external_configurable(cls, name=cls.__name__)

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from longt5_jax.decode import greedy_decode
+from longt5_jax.infer.decode import greedy_decode
 from longt5_jax.model import LongT5, LongT5Config, count_params
 
 

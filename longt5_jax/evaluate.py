@@ -52,16 +52,17 @@ def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
     import jax
     from tqdm import tqdm
 
-    from longt5_jax import evaluation, inference
-    from longt5_jax.atomic import write_atomic
-    from longt5_jax.checkpoint import step_of
+    from longt5_jax.formats.atomic import write_atomic
+    from longt5_jax.formats.native import step_of
+    from longt5_jax.infer import evaluation
+    from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
 
     data, split = cfg["data"], args.split or cfg["eval"].split
     # Every document is evaluated: the last batch is padded, never dropped.
     data = dataclasses.replace(data, shuffle=False, num_epochs=1)
     length = cfg["decode"].max_length or data.target_length
-    generator, _ = inference.from_checkpoint(step_dir, cfg["mesh"], cfg["decode"], length)
-    tokenizer = inference.load_tokenizer_for(step_dir, args.tokenizer)
+    generator, _ = from_checkpoint(step_dir, cfg["mesh"], cfg["decode"], length)
+    tokenizer = load_tokenizer_for(step_dir, args.tokenizer)
     examples = evaluation.load_examples(data, tokenizer, split, args.limit)
     truncated = sum(len(e.inputs) == data.input_length for e in examples)
     if truncated:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from longt5_jax.checkpoint import resolve
+    from longt5_jax.formats.native import resolve
 
     args, rest = _parse(argv)
     if args.limit < 0:

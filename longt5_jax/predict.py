@@ -111,10 +111,10 @@ def predict(args: argparse.Namespace) -> int:
     import jax
     from tqdm import tqdm
 
-    from longt5_jax.atomic import write_atomic
-    from longt5_jax.checkpoint import resolve, saved_config
-    from longt5_jax.decode import DecodeConfig
-    from longt5_jax.inference import from_checkpoint, load_tokenizer_for
+    from longt5_jax.formats.atomic import write_atomic
+    from longt5_jax.formats.native import resolve, saved_config
+    from longt5_jax.infer.decode import DecodeConfig
+    from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
     from longt5_jax.parallel.mesh import MeshConfig
 
     cli.cpu_devices(args.cpu_devices)

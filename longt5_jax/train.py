@@ -3,194 +3,14 @@
 Multi-process: under `srun` it joins the SLURM step by itself; elsewhere give
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (see launch/README.md).
 
-Reads like its table of contents: configure -> devices -> data -> sharded state -> loop -> save.
+Configure -> devices (fake CPU ones without an accelerator, processes joined) -> check the layout
+fits -> `training.loop.train`.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-
-def train(cfg: dict) -> dict:
-    """Train per `cfg`; returns the last logged metrics."""
-    import jax
-
-    from longt5_jax import configuration
-    from longt5_jax.checkpoint import Checkpoints, abstract_like, resolve, restore_params
-    from longt5_jax.data.pipeline import load_tokenizer, make_dataset
-    from longt5_jax.evaluation import PeriodicEval
-    from longt5_jax.model import LongT5, count_params
-    from longt5_jax.optim import make_optimizer
-    from longt5_jax.parallel.mesh import make_mesh
-    from longt5_jax.step import ShardedStep
-
-    run, model_cfg, data_cfg = cfg["run"], cfg["model"], cfg["data"]
-    model_dir = Path(run.model_dir)
-    tokenizer = load_tokenizer(data_cfg)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise configuration.ConfigError(
-            f"LongT5Config.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-            f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
-        )
-    # The data opens first: a bad file is reported before any state is built.
-    batches = iter(make_dataset(data_cfg, tokenizer, "train"))
-    mesh = make_mesh(cfg["mesh"])
-    model = LongT5(model_cfg, runner=cfg["mesh"].pipeline_plan())
-    step = ShardedStep(model, cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"])
-    state = step.init(jax.random.key(run.seed))
-    if jax.process_index() == 0:
-        print(
-            f"{count_params(state.params) / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
-            f"ZeRO-{cfg['mesh'].zero_stage}, {jax.device_count()} devices",
-            flush=True,
-        )
-
-    checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
-    try:
-        start, restored = checkpoints.resume(abstract_like(state), batches)
-        if start:
-            state = restored
-            note = f"resumed from step {start} in {model_dir / 'checkpoints'}"
-        elif cfg["ckpt"].init_from:
-            source = resolve(cfg["ckpt"].init_from)
-            state = state.replace(params=restore_params(source, abstract_like(state.params)))
-            note = f"parameters from {source}; optimizer and step start anew"
-        else:
-            note = ""
-        # Only now, with the state in hand: a run that cannot start leaves MODEL_DIR as it was.
-        if jax.process_index() == 0:
-            (model_dir / "config.gin").write_text(configuration.operative_config())
-            if note:
-                print(note, flush=True)
-        writer = _metrics_writer(cfg, start)
-        evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step)
-        try:
-            return _loop(cfg, step, state, batches, checkpoints, writer, start, evaluate)
-        finally:
-            writer.close()
-    finally:
-        checkpoints.close()
-
-
-def _metrics_writer(cfg: dict, start: int):
-    """Logs, TensorBoard, the opt-in Prometheus endpoint, and MFU where the peak is known."""
-    import jax
-
-    from longt5_jax.configuration import ConfigError
-    from longt5_jax.flops import train_flops_per_step
-    from longt5_jax.metrics import MetricsWriter, peak_flops
-
-    run, data = cfg["run"], cfg["data"]
-    exporter = None
-    if run.prometheus_port:
-        from longt5_jax.prometheus import PrometheusExporter
-
-        try:
-            exporter = PrometheusExporter(
-                run.prometheus_port, run.prometheus_host, jax.process_index()
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return MetricsWriter(
-        run.model_dir,
-        run.train_steps,
-        resume_step=start,
-        exporter=exporter,
-        flops_per_step=train_flops_per_step(
-            cfg["model"], data.batch_size, data.input_length, data.target_length
-        ),
-        peak_flops=peak_flops(jax.devices(), run.peak_flops_per_device),
-    )
-
-
-class NonFiniteError(RuntimeError):
-    """A NaN or Inf loss or gradient, with updates not set to be skipped."""
-
-
-def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, evaluate) -> dict:
-    """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
-    import dataclasses
-
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    from longt5_jax import configuration
-    from longt5_jax.data.pipeline import global_batch
-    from longt5_jax.metrics import StepProfiler
-    from longt5_jax.optim import learning_rate_at
-
-    run, skip = cfg["run"], cfg["step"].skip_nonfinite
-    rng = jax.random.key(run.seed + 1) if cfg["model"].dropout_rate > 0 else None
-    config = {
-        "gin": configuration.operative_config(),
-        "model": dataclasses.asdict(cfg["model"]),
-    }
-    terminated = _on_sigterm()
-    profiler = StepProfiler(run.model_dir, run.profile_start, run.profile_steps)
-    row, bad_steps, pending = {}, 0, []
-    for i in range(start, run.train_steps):
-        with writer.timing("data"):
-            local = next(batches)
-        profiler.before(i + 1)
-        # Counted on the host copy: reading the global arrays would stall the step pipeline.
-        tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
-        batch = global_batch(local, step.batch_sharding)
-        state, metrics = step(state, batch, None if rng is None else jax.random.fold_in(rng, i))
-        profiler.after(i + 1, state)
-        # The previous step's flag is ready by now: reading it does not stall the pipeline.
-        bad_steps += _nonfinite(pending, skip)
-        pending = [(i + 1, metrics["nonfinite"])]
-        if i == start:  # this step compiled: time the ones after it
-            jax.block_until_ready(state.step)
-            writer.start(i + 1)
-        else:
-            writer.add_tokens(tokens * jax.process_count())
-        stop = terminated()  # read once: a signal between two reads must not skip the save
-        if jax.process_count() > 1:  # every process stops at the same step, or none does
-            stop = bool(multihost_utils.process_allgather(np.asarray(stop)).any())
-        last = i + 1 == run.train_steps or stop
-        if (i + 1) % run.log_every == 0 or last:
-            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            values["learning_rate"] = learning_rate_at(cfg["optim"], i)
-            values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
-            row = writer.write(i + 1, values)
-        if evaluate.due(i + 1):
-            with writer.paused():
-                writer.write_eval(i + 1, evaluate(i + 1, state.params))
-        if last or checkpoints.due(i + 1):
-            bad_steps += _nonfinite(pending, skip)  # never save a state that went non-finite
-            pending = []
-            with writer.timing("checkpoint"):
-                checkpoints.save(i + 1, state, batches, config, force=True)
-        if stop:
-            print(f"SIGTERM: saved step {i + 1}; rerun the same command to resume", flush=True)
-            break
-    return row
-
-
-def _nonfinite(pending: list, skip: bool) -> int:
-    """1 if the pending step went non-finite (and updates are skipped), else 0; or raise."""
-    if not pending or not int(pending[0][1]):
-        return 0
-    if not skip:
-        raise NonFiniteError(
-            f"step {pending[0][0]}: the loss or gradient is NaN/Inf; stopping "
-            "(StepConfig.skip_nonfinite = True skips such updates)"
-        )
-    return 1
-
-
-def _on_sigterm():
-    """A flag set by SIGTERM (what SLURM sends before a time limit or preemption)."""
-    import signal
-    import threading
-
-    flag = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: flag.set())
-    return flag.is_set
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from longt5_jax import cli, configuration, distributed
+    from longt5_jax import cli, configuration
+    from longt5_jax.training import distributed
 
     flags, argv = distributed.split_flags(argv)
     processes = distributed.detect(flags)
@@ -230,6 +51,8 @@ def _main(argv: list[str]) -> int:
         (model.num_encoder_layers, model.num_decoder_layers),
         cfg["step"].microbatches,
     )
+    from longt5_jax.training.loop import NonFiniteError, train
+
     try:
         train(cfg)
     except NonFiniteError as e:  # the run's own verdict, not bad input: exit 1, no traceback

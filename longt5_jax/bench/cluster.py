@@ -72,15 +72,28 @@ def _rows(args: argparse.Namespace) -> list[tuple[str, int]]:
     return out
 
 
+def _throughputs(b: int, a: dict, mfu_time, ceiling_s: float) -> dict:
+    """Samples per second under each bound: compute at MFU or at the roofline, communication
+    not overlapped, as scheduled, or fully overlapped; the ceiling at peak FLOP/s."""
+    roof = a["roofline"]["seconds"]
+    return {
+        "mfu_no_overlap": b / mfu_time.total,
+        "mfu_full_overlap": b / mfu_time.overlapped,
+        "roofline_no_overlap": b / (roof + a["comm_s"]),
+        "roofline_as_scheduled": b / (roof + a["exposed_comm_s"]),
+        "roofline_full_overlap": b / max(roof, a["comm_s"]),
+        "ceiling": b / ceiling_s,
+    }
+
+
 def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> dict:
     """Compile one row and read its memory, communication and time bounds."""
-    from longt5_jax import flops
     from longt5_jax.model import LongT5Config
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.parallel.mesh import MeshConfig, check_fits
-    from longt5_jax.plan import comm_model, compile_ahead, cost
+    from longt5_jax.plan import comm_model, compile_ahead, cost, flops
     from longt5_jax.plan.shapes import ModelShapes
-    from longt5_jax.step import StepConfig
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.training.step import StepConfig
 
     tensor, pipe, zero = STRATEGIES[strategy]
     config = LongT5Config.preset(model, args.attention, dtype=args.dtype, remat=args.remat)
@@ -89,33 +102,19 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
     if args.batch_size % args.accumulation:
         raise ValueError(f"--batch_size {args.batch_size} is not divisible by --accumulation")
     layers = (config.num_encoder_layers, config.num_decoder_layers)
-    check_fits(
-        plan,
-        len(devices),
-        config.num_heads,
-        config.d_ff,
-        config.vocab_size,
-        args.batch_size,
-        layers,
-        args.accumulation,
-    )
+    sizes = (config.num_heads, config.d_ff, config.vocab_size, args.batch_size)
+    check_fits(plan, len(devices), *sizes, layers, args.accumulation)
     start = time.perf_counter()
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
-    target = args.target_length
+    b, n, target = args.batch_size, cluster.devices, args.target_length
+    step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
+    shape = (b, length, target)
     compiled = compile_ahead.compile_for(
-        config,
-        plan,
-        devices,
-        args.gpus_per_node,
-        (args.batch_size, length, target),
-        StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype),
-        optimizer,
+        config, plan, devices, args.gpus_per_node, shape, step, optimizer
     )
     a = compiled.analyse(cluster)
-    b, n = args.batch_size, cluster.devices
     shapes = ModelShapes.of(config, optimizer)
-    step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
-    expected = comm_model.volumes(shapes, comm_model.Layout.of(plan, n, step, (b, length, target)))
+    expected = comm_model.volumes(shapes, comm_model.Layout.of(plan, n, step, shape))
     lengths = (length, args.target_length)
     remat = "full" if pipe > 1 else args.remat
     executed = flops.executed_flops_per_step(config, b, *lengths, remat)
@@ -134,14 +133,9 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
         "memory_fraction": a["memory"]["total"] / (cluster.memory_gib * 2**30),
         "compute_mfu_s": mfu_time.busy,
         "compute_roofline_s": roof,
-        "samples_per_s": {
-            "mfu_no_overlap": b / mfu_time.total,
-            "mfu_full_overlap": b / mfu_time.overlapped,
-            "roofline_no_overlap": b / (roof + a["comm_s"]),
-            "roofline_as_scheduled": b / (roof + a["exposed_comm_s"]),
-            "roofline_full_overlap": b / max(roof, a["comm_s"]),
-            "ceiling": b / (model_flops / (n * cluster.peak_tflops * 1e12)),
-        },
+        "samples_per_s": _throughputs(
+            b, a, mfu_time, model_flops / (n * cluster.peak_tflops * 1e12)
+        ),
         "comm_share": mfu_time.comm_share,
         "exposed_share": a["exposed_comm_s"] / (roof + a["exposed_comm_s"]),
         "model_tflops_per_step": model_flops / 1e12,

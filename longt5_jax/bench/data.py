@@ -18,8 +18,8 @@ import numpy as np
 
 from longt5_jax.bench.report import write_json
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
-from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.training.loss import cross_entropy
 
 
 def loader_rate(cfg: DataConfig, tokenizer, batches: int) -> dict[str, float]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.report import write_json
-from longt5_jax.decode import DecodeConfig, generate
+from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config
 
 
@@ -86,6 +86,25 @@ def _decoded(tokens: np.ndarray, eos: int) -> float:
     return float(np.mean(lengths))
 
 
+def _row(batch: int, beams: int, times: list, compile_s: float, tokens, eos: int):
+    """Our timings of one beam count: the report's row and the table's line."""
+    mean = statistics.median(times)
+    row = {
+        "beams": beams,
+        "seconds": mean,
+        "summaries_per_s": batch / mean,
+        "decoded_tokens": _decoded(tokens, eos),
+        "compile_and_first_s": compile_s,
+        "times": times,
+    }
+    row["tokens_per_s"] = row["decoded_tokens"] * batch / mean
+    line = (
+        f"{beams:>5} {mean:>8.2f} {row['summaries_per_s']:>7.3f} {row['tokens_per_s']:>7.1f} "
+        f"{compile_s:>9.1f}"
+    )
+    return row, line
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     config = LongT5Config.preset(args.preset, args.attention)
@@ -115,20 +134,7 @@ def main(argv: list[str]) -> int:
             if theirs is not None:
                 seconds, ref_tokens = _timed(theirs)
                 ref_times.append(seconds)
-        mean = statistics.median(times)
-        row = {
-            "beams": beams,
-            "seconds": mean,
-            "summaries_per_s": args.batch_size / mean,
-            "decoded_tokens": _decoded(tokens, config.eos_id),
-            "compile_and_first_s": compile_s,
-            "times": times,
-        }
-        row["tokens_per_s"] = row["decoded_tokens"] * args.batch_size / mean
-        line = (
-            f"{beams:>5} {mean:>8.2f} {row['summaries_per_s']:>7.3f} {row['tokens_per_s']:>7.1f} "
-            f"{compile_s:>9.1f}"
-        )
+        row, line = _row(args.batch_size, beams, times, compile_s, tokens, config.eos_id)
         if ref_times:
             ratios = [r / t for r, t in zip(ref_times, times, strict=True)]
             ref = statistics.median(ref_times)

@@ -64,10 +64,10 @@ def _case(text: str) -> tuple[str, int, int, str]:
 
 def _step(args, case: str, devices: list):
     from longt5_jax.model import LongT5Config
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.parallel.mesh import MeshConfig
     from longt5_jax.plan import compile_ahead
-    from longt5_jax.step import StepConfig
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.training.step import StepConfig
 
     model, length, batch, remat = _case(case)
     config = LongT5Config.preset(model, args.attention, dtype="bfloat16", remat=remat)
@@ -99,10 +99,9 @@ def _on_gpu(args, case: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from longt5_jax import flops
     from longt5_jax.bench.pipeline import random_batch
     from longt5_jax.bench.train_steps import peak_matmul_flops
-    from longt5_jax.plan import hlo
+    from longt5_jax.plan import flops, hlo
 
     if jax.default_backend() != "gpu":
         raise ValueError(_NO_GPU)
@@ -150,9 +149,9 @@ def _transformers(args, case: str, device: str = "cuda") -> dict:
     import torch
     import transformers
 
-    from longt5_jax import hf
     from longt5_jax.bench.pipeline import random_batch
     from longt5_jax.bench.train_steps import torch_inputs
+    from longt5_jax.formats import hf
     from longt5_jax.model import LongT5Config
 
     model, length, b, remat = _case(case)

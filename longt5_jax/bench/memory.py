@@ -78,10 +78,10 @@ def _candidate(text: str, batch: int):
 
 def _measure(args, devices) -> list[dict]:
     from longt5_jax.model import LongT5Config
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.plan import candidates as cands
     from longt5_jax.plan import compile_ahead
     from longt5_jax.plan.shapes import ModelShapes
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
     rows = []

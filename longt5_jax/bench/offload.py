@@ -53,16 +53,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _optimizer(name: str):
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     return make_optimizer(OptimizerConfig(name=name))
 
 
 def _compiled_rows(args, devices, cluster, length: int, batch: int, zeros: list[int]) -> list:
-    from longt5_jax import flops
     from longt5_jax.model import LongT5Config
     from longt5_jax.parallel.mesh import MeshConfig
-    from longt5_jax.plan import compile_ahead, cost
+    from longt5_jax.plan import compile_ahead, cost, flops
 
     config = LongT5Config.preset(args.model, args.attention, dtype="bfloat16", remat=args.remat)
     executed = flops.executed_flops_per_step(config, batch, length, args.target_length, args.remat)
@@ -130,7 +129,7 @@ def _cpu_timing(args, devices) -> list[dict]:
     from longt5_jax.model import LongT5, LongT5Config
     from longt5_jax.parallel.mesh import MeshConfig, make_mesh
     from longt5_jax.plan import compile_ahead
-    from longt5_jax.step import ShardedStep, StepConfig
+    from longt5_jax.training.step import ShardedStep, StepConfig
 
     config = LongT5Config.preset(args.cpu_model, args.attention)
     steps, states = {}, {}

@@ -24,7 +24,7 @@ from longt5_jax.bench.report import write_json
 from longt5_jax.data import batching
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
-from longt5_jax.step import ShardedStep, StepConfig
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 
 def random_batch(rows: int, length: int, target_length: int, vocab: int, seed: int = 0) -> dict:
@@ -73,7 +73,32 @@ class _Timed:
         return float(np.median(self.times))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _row(plan: MeshConfig, piped: _Timed, reference: _Timed) -> dict:
+    """One layout's idle share (from the schedule and as measured against data parallelism),
+    step time and memory; printed as it comes."""
+    p, m, r = plan.pipeline, plan.pipeline_microbatches, plan.pipeline_repeats
+    theory = plan.pipeline_plan().bubble
+    row = {
+        "stages": p,
+        "microbatches": m,
+        "repeats": r,
+        "theory_idle": theory,
+        "measured_idle": 1 - reference.seconds / piped.seconds,
+        "step_s": piped.seconds,
+        "reference_step_s": reference.seconds,
+        **piped.memory,
+    }
+    print(
+        f"{p:>2} {m:>3} {r:>2} {theory:>11.1%} {row['measured_idle']:>9.1%} "
+        f"{piped.seconds:>8.3f} {reference.seconds:>7.3f} "
+        f"{piped.memory['temp_bytes'] / 2**20:>12.1f} "
+        f"{piped.memory['argument_bytes'] / 2**20:>12.1f}",
+        flush=True,
+    )
+    return row
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatch_factors", type=int, nargs="+", default=[1, 2, 4])
@@ -85,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d_model", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
     parser.add_argument("--out_dir", default="bench_out")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     cli.cpu_devices(8)
     if jax.device_count() != 8:
         raise cli.UsageError(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
@@ -124,25 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.steps):  # alternate: drift hits both alike
                     piped()
                     reference()
-                theory = plan.pipeline_plan().bubble
-                row = {
-                    "stages": p,
-                    "microbatches": m,
-                    "repeats": r,
-                    "theory_idle": theory,
-                    "measured_idle": 1 - reference.seconds / piped.seconds,
-                    "step_s": piped.seconds,
-                    "reference_step_s": reference.seconds,
-                    **piped.memory,
-                }
-                rows.append(row)
-                print(
-                    f"{p:>2} {m:>3} {r:>2} {theory:>11.1%} {row['measured_idle']:>9.1%} "
-                    f"{piped.seconds:>8.3f} {reference.seconds:>7.3f} "
-                    f"{piped.memory['temp_bytes'] / 2**20:>12.1f} "
-                    f"{piped.memory['argument_bytes'] / 2**20:>12.1f}",
-                    flush=True,
-                )
+                rows.append(_row(plan, piped, reference))
     out = Path(args.out_dir)
     report = {
         "device": str(jax.devices()[0]),

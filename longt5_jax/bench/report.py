@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from longt5_jax.atomic import write_atomic
+from longt5_jax.formats.atomic import write_atomic
 
 
 def write_json(out_dir: str | Path, name: str, report: Any) -> Path:

@@ -22,13 +22,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from longt5_jax import cli, flops
+from longt5_jax import cli
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, check_fits
 from longt5_jax.plan import compile_ahead as aot
-from longt5_jax.plan import cost, hlo, targets
+from longt5_jax.plan import cost, flops, hlo, targets
 
 # name -> (data, tensor, pipeline, zero stage); pipelines run 2 x stages microbatches.
 STRATEGIES = {
@@ -191,29 +191,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _setup(args: argparse.Namespace):
+    """The model, the cluster the table stands for and its compile-only devices (GPU targets)."""
+    config = LongT5Config.preset(args.model, args.attention, **parse_overrides(args.set))
+    target = targets.load(args.target)
+    if target.is_gpu and not targets.have_gpu_compiler():
+        raise ValueError(targets.GPU_EXTRA_MISSING)
+    if not target.is_gpu:  # the local devices stand for the cluster
+        args.nodes = max(1, 8 // args.gpus_per_node)
+    cluster = cost.Cluster.of(
+        target,
+        args.nodes,
+        args.gpus_per_node,
+        peak_tflops=args.peak_tflops,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+        mfu=args.efficiency,
+    )
+    if args.steps < 1 or min(args.batch_size, args.input_length, args.target_length) < 1:
+        raise ValueError("--steps, --batch_size and the lengths must be >= 1")
+    target_devices = (
+        targets.devices(target, args.nodes, args.gpus_per_node) if target.is_gpu else None
+    )
+    return config, cluster, target_devices
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = LongT5Config.preset(args.model, args.attention, **parse_overrides(args.set))
-        target = targets.load(args.target)
-        if target.is_gpu and not targets.have_gpu_compiler():
-            raise ValueError(targets.GPU_EXTRA_MISSING)
-        if not target.is_gpu:  # the local devices stand for the cluster
-            args.nodes = max(1, 8 // args.gpus_per_node)
-        cluster = cost.Cluster.of(
-            target,
-            args.nodes,
-            args.gpus_per_node,
-            peak_tflops=args.peak_tflops,
-            intra_node_gbps=args.intra_node_gbps,
-            inter_node_gbps=args.inter_node_gbps,
-            mfu=args.efficiency,
-        )
-        if args.steps < 1 or min(args.batch_size, args.input_length, args.target_length) < 1:
-            raise ValueError("--steps, --batch_size and the lengths must be >= 1")
-        target_devices = (
-            targets.devices(target, args.nodes, args.gpus_per_node) if target.is_gpu else None
-        )
+        config, cluster, target_devices = _setup(args)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from longt5_jax import hf
+from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config
 
 

@@ -24,9 +24,9 @@ import numpy as np
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.optim import OptimizerConfig, make_optimizer
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
-from longt5_jax.step import ShardedStep, StepConfig
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 LEARNING_RATE = 1e-3
 # T5X's z-loss has no counterpart in transformers; without it both differentiate the same loss.

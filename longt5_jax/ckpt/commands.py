@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from longt5_jax.checkpoint import (
+from longt5_jax.formats.keypath import path_text
+from longt5_jax.formats.native import (
     CheckpointError,
     array_infos,
     is_complete,
@@ -28,7 +29,6 @@ from longt5_jax.checkpoint import (
     step_of,
     unreadable,
 )
-from longt5_jax.keypath import path_text
 
 
 def _size(path: Path) -> int:

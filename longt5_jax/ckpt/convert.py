@@ -15,11 +15,10 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 
-from longt5_jax import hf
-from longt5_jax.atomic import publishing
-from longt5_jax.checkpoint import CheckpointError, model_config, resolve
-from longt5_jax.ckpt import t5x
 from longt5_jax.ckpt.commands import Arrays
+from longt5_jax.formats import hf, t5x
+from longt5_jax.formats.atomic import publishing
+from longt5_jax.formats.native import CheckpointError, model_config, resolve
 from longt5_jax.model.config import LongT5Config
 
 

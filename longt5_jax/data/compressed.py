@@ -10,8 +10,8 @@ from typing import IO
 
 import zstandard
 
-from longt5_jax.atomic import publishing
 from longt5_jax.data import DataError, cache_dir
+from longt5_jax.formats.atomic import publishing
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

@@ -24,8 +24,8 @@ from array_record.python import array_record_module
 from tqdm import tqdm
 
 from longt5_jax import cli
-from longt5_jax.atomic import publishing
 from longt5_jax.data.sources import FORMATS, DataError, open_source
+from longt5_jax.formats.atomic import publishing
 
 # Grain reads one record at a time; a group size of 1 makes each read decode only that record.
 WRITER_OPTIONS = "group_size:1"

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from longt5_jax.atomic import write_atomic
 from longt5_jax.data import cache_dir
 from longt5_jax.data.sources import DataError
+from longt5_jax.formats.atomic import write_atomic
 
 EXTRA_IDS = 100
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2

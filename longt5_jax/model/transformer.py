@@ -5,6 +5,7 @@ Letter key: B batch, L encoder length, T decoder length, S key length, D embed, 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -115,17 +116,8 @@ class Decoder(nn.Module):
             DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers"
         )
         if cache is not None or self.is_initializing():
-            y, cache = layers(
-                y,
-                jnp.arange(c.num_decoder_layers),
-                cache,
-                row_ids,
-                encoded,
-                self_mask,
-                bias_HTS,
-                cross_mask,
-                cache_index,
-            )
+            rest = (cache, row_ids, encoded, self_mask, bias_HTS, cross_mask, cache_index)
+            y, cache = layers(y, jnp.arange(c.num_decoder_layers), *rest)
         else:  # training: the encoder output follows each microbatch to every stage
 
             def call(apply, h, rows, shared):
@@ -320,3 +312,14 @@ def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
 
 def count_params(params: Any) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
+
+
+def init_params(model: LongT5, key: jax.Array) -> Any:
+    """The model's parameters, boxed with their logical axes."""
+    ids = jnp.ones((1, 1), jnp.int32)
+    return model.init(key, ids, None, ids)["params"]
+
+
+def abstract_params(model: LongT5) -> Any:
+    """The parameters' shapes and dtypes, boxed with their logical axes; nothing is allocated."""
+    return jax.eval_shape(functools.partial(init_params, model), jax.random.key(0))

@@ -77,3 +77,11 @@ def optimizer_shardings(
     return jax.tree_util.tree_map_with_path(
         one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == param_def
     )
+
+
+def placed(shapes: Any, shardings: Any) -> Any:
+    """`shapes` as ShapeDtypeStructs laid out per `shardings`: what a restore fills, or what
+    a compile ahead of time takes for arrays."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )

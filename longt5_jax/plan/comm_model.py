@@ -37,7 +37,7 @@ from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.pipeline import Pipeline
 from longt5_jax.plan.hlo import KINDS, ring_bytes
 from longt5_jax.plan.shapes import ModelShapes
-from longt5_jax.step import StepConfig
+from longt5_jax.training.step import StepConfig
 
 Volumes = dict[str, dict[str, float]]  # kind -> mesh axis -> bytes per device per step
 

@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import optax
 
 from longt5_jax.data.batching import FEATURES
-from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.model import LongT5, LongT5Config, abstract_params
 from longt5_jax.parallel.mesh import MeshConfig, compile_only, make_mesh, node_of
+from longt5_jax.parallel.sharding import placed
 from longt5_jax.plan import cost, hlo, hlo_module, roofline
-from longt5_jax.step import Batch, ShardedStep, StepConfig, TrainState, abstract_params, placed
+from longt5_jax.training.step import Batch, ShardedStep, StepConfig, TrainState
 
 
 def abstract_state(step: ShardedStep) -> TrainState:

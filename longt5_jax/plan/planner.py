@@ -118,9 +118,9 @@ def _compile(
     optimizer_name: str,
 ) -> dict:
     """Compile one candidate: its compiled memory, collectives and cost-model step time."""
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.plan import candidates as cands
     from longt5_jax.plan import compile_ahead, cost
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     c = estimate.candidate
     cfg = dataclasses.replace(config, remat=c.remat)
@@ -190,9 +190,9 @@ def _print_estimates(estimates: list[Estimate], show: int) -> None:
 
 def _ranked(args: argparse.Namespace, config: LongT5Config, cluster: Cluster) -> list[Estimate]:
     """Analytic estimates of every candidate near fitting, best first."""
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.plan import candidates as cands
     from longt5_jax.plan.shapes import ModelShapes
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     lengths = (args.input_length, args.target_length)
     found = cands.enumerate_candidates(

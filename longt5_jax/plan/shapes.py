@@ -10,10 +10,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from longt5_jax.keypath import path_text
-from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.formats.keypath import path_text
+from longt5_jax.model import LongT5, LongT5Config, abstract_params
 from longt5_jax.parallel.rules import rules
-from longt5_jax.step import abstract_params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,7 @@
-"""Orbax checkpoints of a run: train state, the data stream's position and the gin config.
-
-Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when
-complete, so an interrupted save is never taken for a checkpoint); the run resumes from the
-latest complete one in MODEL_DIR/checkpoints. A checkpoint's tree is read from its metadata
-alone, so a restore that cannot fit names every differing path before touching an array.
+"""Our checkpoints on disk, read without a run: step directories and their state (complete, a
+save in progress, set aside as unreadable), each array's shape, dtype and saved sharding from
+metadata alone, the saved config and tokenizer, and parameters restored into a given layout.
+The checkpoint tools, `init_from`, inference and the resuming run all read through here.
 """
 
 from __future__ import annotations
@@ -20,22 +18,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from longt5_jax.cli import UsageError
-from longt5_jax.keypath import path_text
+from longt5_jax.formats.keypath import path_text
 from longt5_jax.model.config import LongT5Config
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    save_every: int = 1000  # steps; the last step is always saved
-    keep: int = 3  # the most recent checkpoints kept
-    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (0: none)
-    # A fresh run (no checkpoint in MODEL_DIR yet) takes its parameters from this checkpoint or
-    # MODEL_DIR; the optimizer and the step start anew. This is how fine-tuning starts.
-    init_from: str = ""
-
-    def __post_init__(self):
-        if self.save_every < 1 or self.keep < 1 or self.keep_every < 0:
-            raise ValueError(f"{self}: expected save_every >= 1, keep >= 1, keep_every >= 0")
 
 
 class CheckpointError(UsageError):
@@ -51,135 +35,6 @@ class ArrayInfo:
     shape: tuple[int, ...]
     dtype: str
     sharding: str  # as saved: the partition spec and mesh, or 'single device'
-
-
-class Checkpoints:
-    """Periodic saves and resume for one MODEL_DIR."""
-
-    def __init__(self, model_dir: str | Path, cfg: CheckpointConfig, tokenizer: bytes = b""):
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.save_every,
-            max_to_keep=cfg.keep,
-            keep_period=cfg.keep_every or None,
-            enable_async_checkpointing=True,
-            cleanup_tmp_directories=True,  # what a killed save left behind
-        )
-        self.manager = ocp.CheckpointManager(
-            (Path(model_dir) / "checkpoints").absolute(),
-            options=options,
-            item_names=("state", "data", "config", "tokenizer"),
-        )
-        # The SentencePiece model travels in every checkpoint, so that evaluate and predict
-        # decode with the ids it was trained on, wherever the step directory is copied.
-        self.tokenizer = {"sentencepiece_model": base64.b64encode(tokenizer).decode("ascii")}
-
-    def save(self, step: int, state: Any, data_iterator: Any, config: dict, force=False) -> bool:
-        """Start saving `step` if it is due (or `force`); returns whether a save started.
-
-        `config` is the config item: {'gin': operative config text, 'model': LongT5Config dict}.
-        """
-        items = {
-            "state": ocp.args.StandardSave(state),
-            # Where the data stream stands, in global terms (every process takes part).
-            "data": ocp.args.JsonSave(data_iterator.state()),
-            "config": ocp.args.JsonSave(config),
-        }
-        if self.tokenizer["sentencepiece_model"]:
-            items["tokenizer"] = ocp.args.JsonSave(self.tokenizer)
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
-
-    def due(self, step: int) -> bool:
-        return self.manager.should_save(step)
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
-        """The state at `step`, laid out as `abstract_state`; moves `data_iterator` there too."""
-        where = Path(self.manager.directory) / str(step)
-        saved = array_infos(where)
-        hint = ""
-        if not any(p.startswith("opt_state/") for p in saved):
-            hint = "; it holds parameters only: start from it with CheckpointConfig.init_from"
-        check_tree(where, saved, abstract_state, hint)
-        if not (where / "data" / "metadata").exists():
-            raise CheckpointError(
-                f"{where}: no data position in global terms (a checkpoint of an earlier "
-                "version); start from it with CheckpointConfig.init_from"
-            )
-        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # orbax passes on tensorstore's read errors as bare Exceptions
-            raise DamagedCheckpoint(f"{where}: {unreadable(e)}") from None
-        try:
-            data_iterator.restore(restored["data"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{where / 'data'}: {e}") from None
-        return restored["state"]
-
-    def resume(self, abstract_state: Any, data_iterator: Any) -> tuple[int, Any]:
-        """(step, state) of the newest readable checkpoint, or (0, None) where there is none.
-
-        Damaged newer ones are set aside as STEP.unreadable, their files untouched, each with
-        a one-line warning; where none is readable, nothing moves and one line says why.
-        Every process agrees on each outcome.
-        """
-        quiet_failed_reads()
-        damaged = {}
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                error, state = None, self.restore(step, abstract_state, data_iterator)
-            except DamagedCheckpoint as e:
-                error, state = str(e), None
-            if _everywhere(error is None):
-                for bad, why in damaged.items():
-                    self._set_aside(bad)
-                    if jax.process_index() == 0:
-                        print(
-                            f"warning: checkpoint {why}; resuming from step {step}", file=sys.stderr
-                        )
-                return step, state
-            damaged[step] = error or f"{step}: unreadable on another process"
-        if damaged:
-            raise CheckpointError(f"no readable checkpoint: {' | '.join(damaged.values())}")
-        return 0, None
-
-    def _set_aside(self, step: int) -> None:
-        """Rename a damaged step directory so that no save or clean-up ever touches it."""
-        where = Path(self.manager.directory) / str(step)
-        if jax.process_index() == 0:
-            aside, k = where.with_name(f"{step}{UNREADABLE}"), 1
-            while aside.exists():  # set aside at this step before
-                aside, k = where.with_name(f"{step}.{k}{UNREADABLE}"), k + 1
-            where.rename(aside)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
-        self.manager.reload()
-
-    def close(self) -> None:
-        """Wait for the last save to be complete on disk."""
-        self.manager.wait_until_finished()
-        self.manager.close()
-
-
-def abstract_like(state: Any) -> Any:
-    """Shape, dtype and sharding of every array: the target a restore fills in place."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
-
-
-def _everywhere(ok: bool) -> bool:
-    """Whether `ok` holds on every process."""
-    if jax.process_count() == 1:
-        return ok
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.asarray(ok)).all())
 
 
 def unreadable(e: Exception) -> str:
@@ -208,9 +63,6 @@ def quiet_failed_reads() -> None:
     logging.getLogger("asyncio").addFilter(
         lambda r: "exception was never retrieved" not in r.getMessage()
     )
-
-
-# --- Reading checkpoints from disk: the tools and `init_from` share these. ---------------------
 
 
 _TMP = "orbax-checkpoint-tmp"  # in the name of a save in progress, until orbax commits it

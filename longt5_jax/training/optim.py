@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from longt5_jax.keypath import KeyPath, key_names
+from longt5_jax.formats.keypath import KeyPath, key_names
 
 PyTree = Any
 

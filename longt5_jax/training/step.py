@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.loss import cross_entropy
-from longt5_jax.model import LongT5
-from longt5_jax.optim import moment_axes
+from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
 from longt5_jax.parallel.sharding import activation_context, optimizer_shardings, tree_shardings
-from longt5_jax.xla_options import compiler_options
+from longt5_jax.parallel.xla_options import compiler_options
+from longt5_jax.training.loss import cross_entropy
+from longt5_jax.training.optim import moment_axes
 
 Batch = dict[str, jax.Array]
 
@@ -175,25 +175,6 @@ def train_step(
         "nonfinite": 1 - finite.astype(jnp.int32),
     }
     return TrainState(state.step + 1, params, opt_state), metrics
-
-
-def init_params(model: LongT5, key: jax.Array) -> Any:
-    """The model's parameters, boxed with their logical axes."""
-    ids = jnp.ones((1, 1), jnp.int32)
-    return model.init(key, ids, None, ids)["params"]
-
-
-def abstract_params(model: LongT5) -> Any:
-    """The parameters' shapes and dtypes, boxed with their logical axes; nothing is allocated."""
-    return jax.eval_shape(functools.partial(init_params, model), jax.random.key(0))
-
-
-def placed(shapes: Any, shardings: Any) -> Any:
-    """`shapes` as ShapeDtypeStructs laid out per `shardings`: what a restore fills, or what
-    a compile ahead of time takes for arrays."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
-    )
 
 
 @dataclasses.dataclass

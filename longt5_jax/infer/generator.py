@@ -16,13 +16,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.checkpoint import CheckpointError, model_config, restore_params, saved_tokenizer
 from longt5_jax.data.tokenizer import Tokenizer
-from longt5_jax.decode import DecodeConfig, generate
-from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.formats.native import CheckpointError, model_config, restore_params, saved_tokenizer
+from longt5_jax.infer.decode import DecodeConfig, generate
+from longt5_jax.model import LongT5, LongT5Config, abstract_params
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
-from longt5_jax.parallel.sharding import activation_context, tree_shardings
-from longt5_jax.step import abstract_params, eval_stats, placed
+from longt5_jax.parallel.sharding import activation_context, placed, tree_shardings
+from longt5_jax.training.step import eval_stats
 
 
 def load_tokenizer_for(step_dir: Path, override: str = "") -> Tokenizer:

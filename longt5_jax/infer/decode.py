@@ -167,9 +167,20 @@ def _finish(cfg: DecodeConfig, finished, cand_BKT, cand_score_BK, ended_BK, open
     return fin_seq, _take(merged_score, keep), fin_done
 
 
+def _beams_at_start(b: int, n: int, length: int, pad: int) -> tuple:
+    """Live sequences and scores (only beam 0 live), the finished set (empty), open rows."""
+    return (
+        jnp.full((b, n, length), pad, jnp.int32),
+        jnp.zeros((b, n), jnp.float32).at[:, 1:].set(NEG),
+        jnp.full((b, n, length), pad, jnp.int32),
+        jnp.full((b, n), NEG, jnp.float32),
+        jnp.zeros((b, n), bool),
+        jnp.ones((b,), bool),
+    )
+
+
 def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache, length, b):
     """transformers' vectorised beam search (the same candidates, scores and stopping rule).
-
     Each step keeps the K = 2N best continuations of all live beams, so that N of them stay live
     even when N end at EOS; the finished set keeps the N best ended hypotheses by penalised score.
     """
@@ -211,16 +222,8 @@ def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache
             going = going & ~jnp.all(fin_done)
         return (seq, score, fin_seq, fin_score, fin_done, open_, cache), going
 
-    init = (
-        jnp.full((b, n, length), pad, jnp.int32),
-        jnp.zeros((b, n), jnp.float32).at[:, 1:].set(NEG),  # only beam 0 is live at first
-        jnp.full((b, n, length), pad, jnp.int32),
-        jnp.full((b, n), NEG, jnp.float32),
-        jnp.zeros((b, n), bool),
-        jnp.ones((b,), bool),
-    )
     logits, cache = step(jnp.repeat(start, n), cache, 0)
-    state, going = advance((*init, cache), logits, 0)
+    state, going = advance((*_beams_at_start(b, n, length, pad), cache), logits, 0)
 
     def body(carry):
         t, state, _ = carry

@@ -30,8 +30,8 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from longt5_jax.atomic import publishing
-from longt5_jax.hf import Params, param_shapes, plain
+from longt5_jax.formats.atomic import publishing
+from longt5_jax.formats.hf import Params, param_shapes, plain
 from longt5_jax.model.config import LongT5Config
 
 # Version 3 (T5X since 2021-06): bfloat16 is stored natively, not bit-cast to uint16.

@@ -18,7 +18,7 @@ import flax.linen as nn
 import flax.traverse_util
 import numpy as np
 
-from longt5_jax.atomic import publishing, write_atomic
+from longt5_jax.formats.atomic import publishing, write_atomic
 from longt5_jax.model.config import LongT5Config
 
 Params = dict[str, Any]
@@ -194,8 +194,7 @@ def plain(params: Params) -> Params:
 
 def param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
     """Our parameter paths ('/'-joined) and shapes for `config`, traced without arrays."""
-    from longt5_jax.model import LongT5
-    from longt5_jax.step import abstract_params
+    from longt5_jax.model import LongT5, abstract_params
 
     flat = flax.traverse_util.flatten_dict(plain(abstract_params(LongT5(config))), sep="/")
     return {k: tuple(v.shape) for k, v in flat.items()}

@@ -123,7 +123,9 @@ def rouge_of(
         {"id": e.id, "prediction": text, "reference": e.reference}
         for e, text in zip(examples, texts, strict=True)
     ]
-    from longt5_jax.rouge import rouge  # rouge-score pulls in nltk and scipy: 1.6 s at start-up
+    from longt5_jax.infer.rouge import (
+        rouge,  # rouge-score pulls in nltk and scipy: 1.6 s at start-up
+    )
 
     return rouge([e.reference for e in examples], texts), records
 
@@ -166,7 +168,7 @@ class PeriodicEval:
 
     def __call__(self, step: int, params: Any) -> dict[str, float]:
         from longt5_jax.data.pipeline import global_batch
-        from longt5_jax.inference import Generator
+        from longt5_jax.infer.generator import Generator
         from longt5_jax.model import LongT5
 
         out = {}

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from longt5_jax.atomic import write_atomic
+from longt5_jax.formats.atomic import write_atomic
 
 
 class MetricsWriter:

@@ -1,0 +1,1 @@
+"""Inference: decoding, a checkpoint made ready to decode, evaluation and ROUGE."""

@@ -1,0 +1,2 @@
+"""Training: the loop, the sharded step, optimizer, loss, checkpoints, metrics and the
+multi-process start-up."""
