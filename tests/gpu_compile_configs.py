@@ -19,7 +19,7 @@ targets.prepare_environment()
 from longt5_jax import configuration  # noqa: E402
 from longt5_jax.model import LongT5Config  # noqa: E402
 from longt5_jax.plan import compile_ahead, hlo  # noqa: E402
-from longt5_jax.step import StepConfig  # noqa: E402
+from longt5_jax.training.step import StepConfig  # noqa: E402
 
 SHAPE = (256, 64, 16)  # global batch (every pipeline plan and 2 microbatches divide it), lengths
 STEP = StepConfig(microbatches=2, grad_dtype="bfloat16")

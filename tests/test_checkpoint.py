@@ -20,10 +20,10 @@ from reference import padded_batch
 from test_train import TINY_RUN
 
 from longt5_jax import train
-from longt5_jax.checkpoint import is_complete, model_config, resolve, step_dirs, step_of
-from longt5_jax.ckpt import t5x
 from longt5_jax.ckpt.__main__ import main as ckpt
 from longt5_jax.ckpt.convert import native_params, write_native
+from longt5_jax.formats import t5x
+from longt5_jax.formats.native import is_complete, model_config, resolve, step_dirs, step_of
 from longt5_jax.model import LongT5
 
 
@@ -376,7 +376,7 @@ _KILLED_SAVE = """
 import os, signal, sys
 import jax.numpy as jnp, numpy as np
 from test_checkpoint import _Position
-from longt5_jax.checkpoint import CheckpointConfig, Checkpoints
+from longt5_jax.training.checkpoint import CheckpointConfig, Checkpoints
 saves = Checkpoints(sys.argv[1], CheckpointConfig(save_every=1))
 w = jnp.asarray(np.random.default_rng(0).standard_normal((16, 1024, 1024), np.float32))
 saves.save(1, {"w": w}, _Position(1), {"gin": "", "model": {}})
@@ -387,7 +387,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path, capsys):
-    from longt5_jax.checkpoint import CheckpointConfig, Checkpoints
+    from longt5_jax.training.checkpoint import CheckpointConfig, Checkpoints
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     out = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], env=env, timeout=300)

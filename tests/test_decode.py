@@ -10,7 +10,13 @@ import pytest
 import torch
 from reference import padded_batch, random_params, torch_model
 
-from longt5_jax.decode import DecodeConfig, beam_search, filter_logits, generate, greedy_decode
+from longt5_jax.infer.decode import (
+    DecodeConfig,
+    beam_search,
+    filter_logits,
+    generate,
+    greedy_decode,
+)
 from longt5_jax.model import LongT5, LongT5Config
 
 STEPS = 9
@@ -180,7 +186,7 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy():
 
 @pytest.mark.parametrize("beams", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_decoding_on_a_data_tensor_mesh_equals_one_device(beams):
-    from longt5_jax.inference import Generator, param_shardings
+    from longt5_jax.infer.generator import Generator, param_shardings
     from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 
     config, params, _ = _setup("transient-global")

@@ -11,7 +11,7 @@ from test_train import TINY_RUN
 from longt5_jax import evaluate, predict, train
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer
-from longt5_jax.rouge import rouge
+from longt5_jax.infer.rouge import rouge
 
 # One short training run feeds every test here; together they take about a minute: slow run.
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, hlo_module, targets
 from longt5_jax.plan.shapes import ModelShapes
-from longt5_jax.step import StepConfig
+from longt5_jax.training.step import StepConfig
 
 pytestmark = pytest.mark.skipif(
     not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"

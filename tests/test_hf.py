@@ -10,7 +10,7 @@ import torch
 import transformers
 from reference import padded_batch, random_params, torch_model
 
-from longt5_jax import hf
+from longt5_jax.formats import hf
 from longt5_jax.model import LongT5, LongT5Config
 
 

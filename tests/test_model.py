@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 from reference import max_rel, padded_batch, random_params
 
-from longt5_jax.loss import cross_entropy
 from longt5_jax.model import LongT5, LongT5Config, count_params
 from longt5_jax.model.layers import Dropout, Rows
+from longt5_jax.training.loss import cross_entropy
 
 LOGICAL_AXES = {
     "batch",

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from test_train import TINY_RUN
 
-from longt5_jax import distributed, train
+from longt5_jax import train
 from longt5_jax.launch import local
+from longt5_jax.training import distributed
 
 RUN = [*TINY_RUN[:1], *TINY_RUN[2:]]  # without cpu_devices: the launcher sets it per process
 FIVE = ["--gin.RunConfig.train_steps=5", "--gin.CheckpointConfig.save_every=3"]

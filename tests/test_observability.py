@@ -12,8 +12,8 @@ import pytest
 from test_train import TINY_RUN
 
 from longt5_jax import train
-from longt5_jax.metrics import peak_flops
-from longt5_jax.prometheus import PrometheusExporter
+from longt5_jax.training.metrics import peak_flops
+from longt5_jax.training.prometheus import PrometheusExporter
 
 
 def _free_port() -> int:
@@ -90,7 +90,7 @@ def test_peak_flops_known_for_gpus_and_unknown_for_cpus():
 
 def test_a_torn_last_row_of_metrics_jsonl_is_dropped_on_resume(tmp_path):
     """A kill mid-write leaves a row cut short: resuming keeps the whole rows up to its step."""
-    from longt5_jax.metrics import MetricsWriter
+    from longt5_jax.training.metrics import MetricsWriter
 
     rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 4, "lo')

@@ -16,11 +16,11 @@ from test_train import TINY_RUN
 
 from longt5_jax import train
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.optim import make_optimizer
 from longt5_jax.parallel import offload
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 from longt5_jax.plan import compile_ahead, targets
-from longt5_jax.step import ShardedStep, StepConfig
+from longt5_jax.training.optim import make_optimizer
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 # Four layers per stack, so that two pipeline stages divide them.
 CONFIG = LongT5Config.preset("tiny", num_encoder_layers=4, num_decoder_layers=4)

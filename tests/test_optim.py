@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from longt5_jax.optim import (
+from longt5_jax.training.optim import (
     Factoring,
     OptimizerConfig,
     factoring,

@@ -30,9 +30,9 @@ from jax.sharding import AbstractMesh, AxisType
 
 from longt5_jax import configuration
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.optim import OptimizerConfig, make_optimizer
 from longt5_jax.parallel.mesh import AXES, make_mesh
-from longt5_jax.step import ShardedStep, StepConfig
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "partition_specs.json"

@@ -19,7 +19,7 @@ from longt5_jax.parallel.mesh import MeshConfig, check_fits, make_mesh
 from longt5_jax.parallel.pipeline import Pipeline, _segments
 from longt5_jax.parallel.rules import rules
 from longt5_jax.parallel.sharding import tree_shardings
-from longt5_jax.step import _summed_loss
+from longt5_jax.training.step import _summed_loss
 
 # (data, tensor, pipeline, microbatches, repeats, ZeRO stage)
 PLANS = {

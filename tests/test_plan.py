@@ -153,9 +153,9 @@ def test_the_memory_fit_minimises_the_worst_relative_error():
 def test_offload_is_a_candidate_dimension_with_its_memory_and_pcie_cost():
     """Offloading moves the optimizer state (and parameters) to the host and charges two PCIe
     crossings of those bytes per step; it never changes what the collectives move."""
-    from longt5_jax.optim import OptimizerConfig, make_optimizer
     from longt5_jax.plan import cost
     from longt5_jax.plan.shapes import ModelShapes
+    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     config = LongT5Config.preset("xl", "tglobal", dtype="bfloat16")
     found = candidates.enumerate_candidates(config, 32, 4, [128])

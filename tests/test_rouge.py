@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from rouge_score import rouge_scorer, scoring
 
-from longt5_jax.rouge import KEYS, rouge
+from longt5_jax.infer.rouge import KEYS, rouge
 
 PAIRS = [
     ("the cat sat on the mat .", "the cat on the mat ."),

@@ -15,9 +15,9 @@ import pytest
 
 from longt5_jax.data import batching
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.optim import OptimizerConfig, make_optimizer
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
-from longt5_jax.step import ShardedStep, StepConfig
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 CONFIG = LongT5Config.preset("tiny")
 MESHES = {"dp8": (8, 1), "dp4_tp2": (4, 2), "dp2_tp4": (2, 4)}

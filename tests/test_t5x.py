@@ -11,7 +11,7 @@ import pytest
 import tensorstore as ts
 from reference import padded_batch
 
-from longt5_jax.ckpt import t5x
+from longt5_jax.formats import t5x
 from longt5_jax.model import LongT5, LongT5Config
 
 # What T5X does not store; the tiny preset differs from LongT5Config's defaults in all three.

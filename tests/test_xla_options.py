@@ -6,7 +6,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from longt5_jax.xla_options import GPU_OPTIONS, compiler_options
+from longt5_jax.parallel.xla_options import GPU_OPTIONS, compiler_options
 
 ROOT = Path(__file__).resolve().parents[1]
 
