@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from reference import padded_batch
-from test_train import TINY_RUN
+from test_train import TINY_RUN, child_env
 
 from longt5_jax import train
 from longt5_jax.ckpt.__main__ import main as ckpt
@@ -465,7 +465,7 @@ def test_five_kills_anywhere_then_rerun_log_the_uninterrupted_losses_bitwise(tmp
 
     seed = random.randrange(10**6)
     rng = random.Random(seed)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env("XLA_FLAGS", "JAX_PLATFORMS")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     extra = ["--gin.RunConfig.train_steps=14", "--gin.OptimizerConfig.total_steps=14"]
     done = subprocess.run(_train_cmd(whole, *extra), capture_output=True, text=True, env=env)

@@ -21,6 +21,9 @@ from longt5_jax.data.objectives import split_sentences
 # another mesh (data 8, ZeRO-1); unpacked, whose rows all stand at one position: 2->4, 4->1.
 CHAINS = {True: (2, 1, 2, 4, 2), False: (2, 4, 1)}
 OTHER_MESH = ["--gin.MeshConfig.data=8", "--gin.MeshConfig.tensor=1", "--gin.ZERO_STAGE=1"]
+# One learning-rate schedule for every chain: every parametrisation then runs the same programs
+# (per process count and mesh), which later ones read back from the persistent cache.
+TOTAL_STEPS = 2 * max(map(len, CHAINS.values()))
 
 
 def _short_docs(path):
@@ -47,7 +50,7 @@ def test_a_run_handed_between_process_counts_logs_the_one_process_losses(tmp_pat
         f"--gin.DataConfig.train_files='{tmp_path / 'docs.jsonl'}'",
         f"--gin.DataConfig.objective='{objective}'",
         f"--gin.DataConfig.pack={pack}",
-        f"--gin.OptimizerConfig.total_steps={steps}",
+        f"--gin.OptimizerConfig.total_steps={TOTAL_STEPS}",
         "--gin.CheckpointConfig.save_every=2",
         # Fine-tuning's dropout: a row's masks follow its global index, not the process count.
         "--gin.LongT5Config.dropout_rate=0.1",

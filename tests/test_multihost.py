@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import TINY_RUN
+from test_train import TINY_RUN, child_env
 
 from longt5_jax import train
 from longt5_jax.launch import local
@@ -86,6 +86,7 @@ def launch_local(processes: int, *args) -> str:
         ],
         capture_output=True,
         text=True,
+        env=child_env(),
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -155,7 +156,7 @@ sys.exit(next((c for c in codes if c), 0))
 @pytest.mark.slow
 def test_the_sbatch_script_trains_through_srun(tmp_path):
     _fake_slurm(tmp_path / "bin")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env("XLA_FLAGS")
     env.update(
         PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
         JAX_PLATFORMS="cpu",
@@ -182,7 +183,7 @@ def test_the_sbatch_script_trains_through_srun(tmp_path):
 @pytest.mark.slow
 def test_a_dead_process_stops_the_other_within_a_minute(tmp_path):
     port = local.free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env("XLA_FLAGS")
     env.update(JAX_PLATFORMS="cpu")
     logs = [tmp_path / f"{i}.log" for i in range(2)]
     procs = [
