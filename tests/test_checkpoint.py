@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from reference import padded_batch
-from test_train import TINY_RUN, child_env
+from test_train import TINY_RUN, child_env, train_command
 
 from longt5_jax import train
 from longt5_jax.ckpt.__main__ import main as ckpt
@@ -407,16 +407,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path, ca
 
 
 def _train_cmd(model_dir, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "longt5_jax.train",
-        *TINY_RUN[:1],
-        *TINY_RUN[2:],  # demo.gin's 8 fake devices, in a process of its own
-        "--gin.CheckpointConfig.save_every=3",
-        *extra,
-        f"--gin.MODEL_DIR='{model_dir}'",
-    ]
+    return train_command(model_dir, "--gin.CheckpointConfig.save_every=3", *extra)
 
 
 def _rows(model_dir):
@@ -467,7 +458,7 @@ def test_five_kills_anywhere_then_rerun_log_the_uninterrupted_losses_bitwise(tmp
     rng = random.Random(seed)
     env = child_env("XLA_FLAGS", "JAX_PLATFORMS")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    extra = ["--gin.RunConfig.train_steps=14", "--gin.OptimizerConfig.total_steps=14"]
+    extra = ["--gin.RunConfig.train_steps=14"]  # the whole schedule (train_command's)
     done = subprocess.run(_train_cmd(whole, *extra), capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     kills = []

@@ -31,11 +31,28 @@ def child_env(*drop: str) -> dict[str, str]:
     """The environment of a training process a test starts, less the variables in `drop`, with
     XLA's optimisations off like the tests' own programs: conftest turns them off in XLA_FLAGS,
     which such a process drops (its device count is its own); jax's variable for the same
-    survives. The programs are tiny: they compile in half the time and run as fast, and each
-    test's processes still compile alike, so they share the persistent cache."""
+    survives. Such processes run a few tiny steps after compiling the step, often afresh (jax
+    reads the persistent cache back only in process 0 of a multi-process run): compiled in about
+    half the time, even if their steps then run slower. They all compile alike, so they share
+    the persistent cache."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     return env
+
+
+def train_command(model_dir, *extra: str) -> list[str]:
+    """The tiny run in a process of its own, on demo.gin's 8 fake devices. One 14-step schedule
+    for every test that starts one, so that they all run one program, compiled once."""
+    return [
+        sys.executable,
+        "-m",
+        "longt5_jax.train",
+        *TINY_RUN[:1],
+        *TINY_RUN[2:],
+        "--gin.OptimizerConfig.total_steps=14",
+        *extra,
+        f"--gin.MODEL_DIR='{model_dir}'",
+    ]
 
 
 def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
@@ -213,15 +230,7 @@ def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
 def test_sigterm_saves_and_a_rerun_resumes(tmp_path):
     """SLURM's warning signal: finish the step, save, exit 0; the same command resumes."""
     env = child_env("XLA_FLAGS", "JAX_PLATFORMS")
-    cmd = [
-        sys.executable,
-        "-m",
-        "longt5_jax.train",
-        *TINY_RUN[:1],
-        *TINY_RUN[2:],
-        "--gin.RunConfig.train_steps=400",
-        f"--gin.MODEL_DIR='{tmp_path}'",
-    ]
+    cmd = train_command(tmp_path, "--gin.RunConfig.train_steps=400")
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
