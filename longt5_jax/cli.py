@@ -1,11 +1,11 @@
 """The one boundary every command crosses.
 
 Bad input the user can fix (a `UsageError`, a `ValueError` raised by this package, a file that is
-missing, is a directory or cannot be read, a data or tokenizer file that does not parse) ends as
-one line on stderr, `error: ...` naming the file, field or value, and exit 2. Anything else is a
-bug: its traceback is kept and the exit is 1. Third-party noise that would follow a one-line
-error (orbax's and absl's log lines, asyncio's "Task exception was never retrieved", jax's
-CUDA-plugin traceback on a machine without a GPU) is cut down or silenced before any of it starts.
+missing, is a directory or cannot be read) ends as one line on stderr, `error: ...` naming the
+file, field or value, and exit 2. Anything else is a bug: its traceback is kept and the exit is 1.
+Third-party noise that would follow a one-line error (orbax's and absl's log lines, asyncio's
+"Task exception was never retrieved", jax's CUDA-plugin traceback on a machine without a GPU) is
+cut down or silenced before any of it starts.
 """
 
 from __future__ import annotations
@@ -63,29 +63,15 @@ def _raised_here(e: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
 
-def _third_party_input_error(e: BaseException) -> bool:
-    """Errors that third-party readers raise for a bad file: a Parquet file that is not one,
-    a SentencePiece model that does not parse, a gin binding that is not Python."""
-    name = type(e).__name__
-    return name in ("ArrowInvalid", "ArrowIOError", "ParseError") or (
-        isinstance(e, (SyntaxError, RuntimeError))
-        and any(
-            s in str(e) for s in ("could not parse ModelProto", "Could not parse", "gin", "Parquet")
-        )
-    )
-
-
 def one_line(e: BaseException) -> str | None:
     """The one line a known error is said in, or None for a bug (keep its traceback)."""
     if isinstance(e, OSError):  # a path that is missing, not a directory, not writable
         return f"{e.filename}: {e.strerror or e}" if e.filename is not None else str(e)
+    # Third-party readers' errors for a bad file (Parquet, SentencePiece, gin) are turned into
+    # ours where they are read, naming the file or binding.
     if isinstance(e, UsageError) or (isinstance(e, ValueError) and _raised_here(e)):
-        text = str(e)
-    elif _third_party_input_error(e):
-        text = f"{type(e).__name__}: {e}"
-    else:
-        return None
-    return " ".join(text.split()) or type(e).__name__
+        return " ".join(str(e).split()) or type(e).__name__
+    return None
 
 
 class _PluginTraceback(logging.Filter):

@@ -223,16 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         target, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         from longt5_jax.plan import cost
 
-        cluster = cost.Cluster.of(
-            target,
-            args.nodes,
-            args.gpus_per_node,
-            mfu=args.mfu,
-            peak_tflops=args.peak_tflops,
-            hbm_gbps=args.hbm_gbps,
-            intra_node_gbps=args.intra_node_gbps,
-            inter_node_gbps=args.inter_node_gbps,
-        )
+        cluster = cost.Cluster.from_args(target, args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         _, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         from longt5_jax.plan import cost
 
-        cluster = cost.Cluster.of(target, args.nodes, args.gpus_per_node, host_gbps=args.host_gbps)
+        cluster = cost.Cluster.from_args(target, args)
         rows = _compiled_rows(args, devices, cluster, args.input_length, args.batch_size, args.zero)
         if args.fit_length:
             rows += _compiled_rows(

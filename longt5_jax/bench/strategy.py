@@ -186,7 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intra_node_gbps", type=float, help="GB/s (default: the target's NVLink)")
     p.add_argument("--inter_node_gbps", type=float, help="GB/s (default: the target's NIC)")
     p.add_argument("--peak_tflops", type=float, help="per GPU (default: the target's)")
-    p.add_argument("--efficiency", type=float, default=0.4, help="assumed fraction of peak")
+    p.add_argument(
+        "--efficiency", dest="mfu", type=float, default=0.4, help="assumed fraction of peak"
+    )
     p.add_argument("--out_dir", default="bench_out")
     return p
 
@@ -199,15 +201,7 @@ def _setup(args: argparse.Namespace):
         raise ValueError(targets.GPU_EXTRA_MISSING)
     if not target.is_gpu:  # the local devices stand for the cluster
         args.nodes = max(1, 8 // args.gpus_per_node)
-    cluster = cost.Cluster.of(
-        target,
-        args.nodes,
-        args.gpus_per_node,
-        peak_tflops=args.peak_tflops,
-        intra_node_gbps=args.intra_node_gbps,
-        inter_node_gbps=args.inter_node_gbps,
-        mfu=args.efficiency,
-    )
+    cluster = cost.Cluster.from_args(target, args)
     if args.steps < 1 or min(args.batch_size, args.input_length, args.target_length) < 1:
         raise ValueError("--steps, --batch_size and the lengths must be >= 1")
     target_devices = (

@@ -59,6 +59,14 @@ class Cluster:
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(nodes, gpus_per_node, **fields)
 
+    @classmethod
+    def from_args(cls, target: Target, args) -> Cluster:
+        """`of` for a command: its --nodes and --gpus_per_node, and whichever of the cluster's
+        figures it has a flag of the same name for (unset flags keep the target's)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"nodes", "gpus_per_node"}
+        given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+        return cls.of(target, args.nodes, args.gpus_per_node, **given)
+
     @property
     def devices(self) -> int:
         return self.nodes * self.gpus_per_node

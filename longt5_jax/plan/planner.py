@@ -79,17 +79,7 @@ def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Ta
         raise ValueError("--compile_top must be >= 0 and --show >= 1")
     config = LongT5Config.preset(args.model, args.attention, dtype=args.dtype)
     target = targets.load(args.target)
-    cluster = cost.Cluster.of(
-        target,
-        args.nodes,
-        args.gpus_per_node,
-        memory_gib=args.memory_gib,
-        peak_tflops=args.peak_tflops,
-        intra_node_gbps=args.intra_node_gbps,
-        inter_node_gbps=args.inter_node_gbps,
-        host_gbps=args.host_gbps,
-        mfu=args.mfu,
-    )
+    cluster = cost.Cluster.from_args(target, args)
     if target.is_gpu and args.compile_top and not targets.have_gpu_compiler():
         raise ValueError(targets.GPU_EXTRA_MISSING)
     return config, cluster, target

@@ -188,7 +188,6 @@ class ShardedStep:
     plan: MeshConfig
 
     def __post_init__(self):
-        self._init_params = functools.partial(init_params, self.model)
         boxed = abstract_params(self.model)
         zero = self.plan.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
@@ -229,7 +228,7 @@ class ShardedStep:
         """Parameters and optimizer state created directly in their shards."""
 
         def init(key):
-            params = nn.unbox(self._init_params(key))
+            params = nn.unbox(init_params(self.model, key))
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
         with self._context():
