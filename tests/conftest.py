@@ -27,3 +27,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """With two test processes (pytest-xdist, --dist=loadgroup), a file's tests run in one of
+    them, so its module fixtures (compiled steps, trained runs) are built once; a file whose
+    tests share nothing and each start processes of their own sets SPREAD = True and is shared
+    out test by test."""
+    for item in items:
+        if not getattr(item.module, "SPREAD", False):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -26,7 +26,7 @@ SHAPE = (16, 64, 16)  # batch, input length, target length
 
 def _measured(zero_stage: int) -> tuple[dict, dict, hlo.Memory]:
     step = aot.sharded_step(CONFIG, MeshConfig(data=8, zero_stage=zero_stage))
-    params = aot.abstract_state(step).params
+    params = step.abstract_state.params
     grad = sum(4 * int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     boxed = abstract_params(step.model)
     specs = jax.tree.leaves(

@@ -22,6 +22,9 @@ from longt5_jax.plan import compile_ahead, targets
 from longt5_jax.training.optim import make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
+# Its tests share no fixture: the test processes take them one by one (conftest.py).
+SPREAD = True
+
 # Four layers per stack, so that two pipeline stages divide them.
 CONFIG = LongT5Config.preset("tiny", num_encoder_layers=4, num_decoder_layers=4)
 PLANS = {
@@ -134,7 +137,7 @@ def test_the_compiled_gpu_step_keeps_offloaded_bytes_in_host_memory():
         step = compile_ahead.compile_for(
             config, MeshConfig(zero_stage=0, offload=mode), devices, 4, (128, 64, 16)
         )
-        state = compile_ahead.abstract_state(step.step)
+        state = step.step.abstract_state
         got[mode] = step.memory(), step.host_transfers
     opt, params = _per_device_bytes(state.opt_state), _per_device_bytes(state.params)
     (none, _), (optim, moved), (both, moved_both) = got.values()

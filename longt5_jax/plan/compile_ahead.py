@@ -15,26 +15,15 @@ import dataclasses
 import functools
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from longt5_jax.data.batching import FEATURES
-from longt5_jax.model import LongT5, LongT5Config, abstract_params
+from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig, compile_only, make_mesh, node_of
-from longt5_jax.parallel.sharding import placed
 from longt5_jax.plan import cost, hlo, hlo_module, roofline
-from longt5_jax.training.step import Batch, ShardedStep, StepConfig, TrainState
-
-
-def abstract_state(step: ShardedStep) -> TrainState:
-    """The train state as sharded ShapeDtypeStructs."""
-    params = nn.unbox(abstract_params(step.model))
-    shapes = TrainState(
-        jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(step.optimizer.init, params)
-    )
-    return placed(shapes, step.state_shardings)
+from longt5_jax.training.step import Batch, ShardedStep, StepConfig
 
 
 def abstract_batch(
@@ -72,7 +61,7 @@ def sharded_step(
 
 def compile_step(step: ShardedStep, batch_size: int, input_length: int, target_length: int) -> Any:
     """The compiled (`jax.stages.Compiled`) train step for batches of this shape."""
-    state = abstract_state(step)
+    state = step.abstract_state
     batch = abstract_batch(step, batch_size, input_length, target_length)
     with _persistent_cache(not compile_only(step.mesh.devices.flat[0])):
         return step.lower(state, batch).compile()

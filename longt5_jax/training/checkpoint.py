@@ -154,13 +154,6 @@ class Checkpoints:
         self.manager.close()
 
 
-def abstract_like(state: Any) -> Any:
-    """Shape, dtype and sharding of every array: the target a restore fills in place."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
-
-
 def _everywhere(ok: bool) -> bool:
     """Whether `ok` holds on every process."""
     if jax.process_count() == 1:

@@ -18,7 +18,7 @@ def train(cfg: dict) -> dict:
     from longt5_jax.infer.evaluation import PeriodicEval
     from longt5_jax.model import LongT5, count_params
     from longt5_jax.parallel.mesh import make_mesh
-    from longt5_jax.training.checkpoint import Checkpoints, abstract_like
+    from longt5_jax.training.checkpoint import Checkpoints
     from longt5_jax.training.optim import make_optimizer
     from longt5_jax.training.step import ShardedStep
 
@@ -35,26 +35,26 @@ def train(cfg: dict) -> dict:
     mesh = make_mesh(cfg["mesh"])
     model = LongT5(model_cfg, runner=cfg["mesh"].pipeline_plan())
     step = ShardedStep(model, cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"])
-    state = step.init(jax.random.key(run.seed))
     if jax.process_index() == 0:
         print(
-            f"{count_params(state.params) / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
-            f"ZeRO-{cfg['mesh'].zero_stage}, {jax.device_count()} devices",
+            f"{count_params(step.abstract_state.params) / 1e6:.2f}M parameters, mesh "
+            f"{dict(mesh.shape)}, ZeRO-{cfg['mesh'].zero_stage}, {jax.device_count()} devices",
             flush=True,
         )
 
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
-        start, restored = checkpoints.resume(abstract_like(state), batches)
+        # A resumed run never initialises: the restore fills the state's shapes in place.
+        start, state = checkpoints.resume(step.abstract_state, batches)
         if start:
-            state = restored
             note = f"resumed from step {start} in {model_dir / 'checkpoints'}"
-        elif cfg["ckpt"].init_from:
-            source = resolve(cfg["ckpt"].init_from)
-            state = state.replace(params=restore_params(source, abstract_like(state.params)))
-            note = f"parameters from {source}; optimizer and step start anew"
         else:
+            state = step.init(jax.random.key(run.seed))
             note = ""
+        if not start and cfg["ckpt"].init_from:
+            source = resolve(cfg["ckpt"].init_from)
+            state = state.replace(params=restore_params(source, step.abstract_state.params))
+            note = f"parameters from {source}; optimizer and step start anew"
         # Only now, with the state in hand: a run that cannot start leaves MODEL_DIR as it was.
         if jax.process_index() == 0:
             (model_dir / "config.gin").write_text(configuration.operative_config())

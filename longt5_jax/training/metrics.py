@@ -37,8 +37,7 @@ class MetricsWriter:
         self._tokens = 0.0
         self._spent: dict[str, float] = {}
         if self.enabled:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer()
             Path(model_dir).mkdir(parents=True, exist_ok=True)
             path = Path(model_dir) / "metrics.jsonl"
             kept = _rows_until(path, resume_step)
@@ -181,3 +180,20 @@ class StepProfiler:
             jax.profiler.stop_trace()
             if jax.process_index() == 0:
                 print(f"profile of steps {self.first}-{self.last} in {self.dir}", flush=True)
+
+
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch: where torch is installed,
+    tensorboardX imports it only to accept its tensors (we log floats), which costs every
+    training process 1.5 s of start-up."""
+    import sys
+
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hidden:
+            del sys.modules["torch"]
+    return SummaryWriter

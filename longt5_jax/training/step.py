@@ -24,7 +24,12 @@ from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
-from longt5_jax.parallel.sharding import activation_context, optimizer_shardings, tree_shardings
+from longt5_jax.parallel.sharding import (
+    activation_context,
+    optimizer_shardings,
+    placed,
+    tree_shardings,
+)
 from longt5_jax.parallel.xla_options import compiler_options
 from longt5_jax.training.loss import cross_entropy
 from longt5_jax.training.optim import moment_axes
@@ -207,6 +212,12 @@ class ShardedStep:
             step=NamedSharding(self.mesh, PartitionSpec()),
             params=self.memory.params_home,
             opt_state=self.memory.opt_home,
+        )
+        # The state as sharded ShapeDtypeStructs: what a restore fills in place and a compile
+        # ahead of time takes, with nothing allocated.
+        self.abstract_state = placed(
+            TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state),
+            self.state_shardings,
         )
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
         self._step = None
