@@ -30,13 +30,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
+# Files whose tests share no fixture and each start processes or runs of their own.
+SPREAD = {"test_elastic.py", "test_multihost.py", "test_offload.py", "test_train.py"}
+
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """With two test processes (pytest-xdist, --dist=loadgroup), a file's tests run in one of
-    them, so its module fixtures (compiled steps, trained runs) are built once; a file whose
-    tests share nothing and each start processes of their own sets SPREAD = True and is shared
-    out test by test."""
-    for item in items:
-        if not getattr(item.module, "SPREAD", False):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+def pytest_xdist_make_scheduler(config, log):
+    """With several test processes (pytest-xdist, --dist=loadfile), a file's tests run in one of
+    them, so its module fixtures (compiled steps, trained runs) are built once; the files in
+    SPREAD are shared out test by test. (Marking groups for --dist=loadgroup does not reach the
+    scheduler with this pytest.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Files(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if Path(path).name in SPREAD else path
+
+    return Files(config, log)

@@ -17,9 +17,6 @@ from longt5_jax import train
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.objectives import split_sentences
 
-# Its tests share no fixture: the test processes take them one by one (conftest.py).
-SPREAD = True
-
 # Processes of each segment of 2 steps. Packed: 2->1, 1->2, 2->4, 4->2, the last segment on
 # another mesh (data 8, ZeRO-1); unpacked, whose rows all stand at one position: 2->4, 4->1.
 CHAINS = {True: (2, 1, 2, 4, 2), False: (2, 4, 1)}

@@ -22,9 +22,6 @@ from longt5_jax import train
 from longt5_jax.launch import local
 from longt5_jax.training import distributed
 
-# Its tests share no fixture: the test processes take them one by one (conftest.py).
-SPREAD = True
-
 RUN = [*TINY_RUN[:1], *TINY_RUN[2:]]  # without cpu_devices: the launcher sets it per process
 FIVE = ["--gin.RunConfig.train_steps=5", "--gin.CheckpointConfig.save_every=3"]
 DP_TP = ["--gin_file=configs/parallel/dp4_tp2.gin"]  # (2 x 4 devices: data 2 x 2 processes)

@@ -22,9 +22,6 @@ from longt5_jax.plan import compile_ahead, targets
 from longt5_jax.training.optim import make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
-# Its tests share no fixture: the test processes take them one by one (conftest.py).
-SPREAD = True
-
 # Four layers per stack, so that two pipeline stages divide them.
 CONFIG = LongT5Config.preset("tiny", num_encoder_layers=4, num_decoder_layers=4)
 PLANS = {

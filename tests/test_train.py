@@ -13,9 +13,6 @@ import pytest
 
 from longt5_jax import configuration, train
 
-# Its tests share no fixture: the test processes take them one by one (conftest.py).
-SPREAD = True
-
 TINY_RUN = [
     "--gin_file=configs/demo.gin",
     "--gin.RunConfig.cpu_devices=0",  # the test process already has its 8 fake devices
