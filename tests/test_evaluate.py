@@ -1,6 +1,8 @@
 """Evaluation and inference end to end on a short run's checkpoint: periodic eval during
 training, `evaluate` (loss, ROUGE, predictions), `predict` on user files, and bad input."""
 
+import contextlib
+import io
 import json
 import shutil
 
@@ -44,14 +46,23 @@ def test_training_logs_eval_loss_and_rouge(run):
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
 
 
-def test_evaluate_writes_predictions_and_metrics_equal_to_the_periodic_eval(run, capsys):
+@pytest.fixture(scope="module")
+def evaluated(run):
+    """`evaluate` of the run's checkpoint over what a killed earlier evaluate (or a copy cut
+    short) leaves: half a predictions file and a leftover partial. Its output directory and
+    what it printed."""
     argv = [f"--gin_file={run}/config.gin", f"--checkpoint={run}", "--limit=4"]
     out = run / "eval" / "step_4"
-    # What a killed earlier evaluate (or a copy cut short) leaves: half a file and a leftover.
     out.mkdir(parents=True, exist_ok=True)
     (out / "val_predictions.jsonl").write_text('{"id": "0", "prediction": "a ha')
     (out / ".val_predictions.jsonl.x1y2.partial").write_text('{"id": "0", "predi')
-    assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 0
+    return out, printed.getvalue()
+
+
+def test_evaluate_writes_predictions_and_metrics_equal_to_the_periodic_eval(run, evaluated):
+    out, printed = evaluated
     assert not list(out.glob(".*.partial"))
     metrics = json.loads((out / "val_metrics.json").read_text())
     records = [json.loads(x) for x in (out / "val_predictions.jsonl").read_text().splitlines()]
@@ -64,10 +75,10 @@ def test_evaluate_writes_predictions_and_metrics_equal_to_the_periodic_eval(run,
     scores = rouge([r["reference"] for r in records], [r["prediction"] for r in records])
     assert {k: metrics[k] for k in scores} == scores
     assert metrics["examples"] == 4 and metrics["truncated_inputs"] == 4
-    assert "rouge1" in capsys.readouterr().out
+    assert "rouge1" in printed
 
 
-def test_predict_on_user_files_gives_the_evaluate_predictions(run, tmp_path, capsys):
+def test_predict_on_user_files_gives_the_evaluate_predictions(run, evaluated, tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
     val = aclsum_source("val")
     docs.write_text("".join(json.dumps({"article": val[i]["inputs"]}) + "\n" for i in range(2)))
@@ -76,9 +87,9 @@ def test_predict_on_user_files_gives_the_evaluate_predictions(run, tmp_path, cap
     assert predict.main([*argv, "--max_length", "32"]) == 0
     assert "truncated to the first 255 and EOS" in capsys.readouterr().err
     ours = [json.loads(x) for x in out.read_text().splitlines()]
-    evaluated = (run / "eval" / "step_4" / "val_predictions.jsonl").read_text().splitlines()
+    records = (evaluated[0] / "val_predictions.jsonl").read_text().splitlines()
     assert [r["id"] for r in ours] == ["1", "2"]  # line numbers when records have no id
-    assert [r["prediction"] for r in ours] == [json.loads(x)["prediction"] for x in evaluated[:2]]
+    assert [r["prediction"] for r in ours] == [json.loads(x)["prediction"] for x in records[:2]]
 
     # A checkpoint without a tokenizer (converted, or copied without it) says what to pass.
     bare = tmp_path / "bare" / "4"
