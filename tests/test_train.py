@@ -31,9 +31,10 @@ def child_env(*drop: str) -> dict[str, str]:
     """The environment of a training process a test starts, less the variables in `drop`, with
     XLA's optimisations off like the tests' own programs: conftest turns them off in XLA_FLAGS,
     which such a process drops (its device count is its own); jax's variable for the same
-    survives. Such processes run a few tiny steps after compiling the step, often afresh (jax
-    reads the persistent cache back only in process 0 of a multi-process run): compiled in about
-    half the time, even if their steps then run slower. They all compile alike, so they share
+    survives. Such processes run a few tiny steps after compiling the step, often afresh (in a
+    multi-process run jax writes the persistent cache only from process 0, and keys it by each
+    process's devices, so the others always compile): compiled in about half the time, even if
+    their steps then run slower. They all compile alike, so they share
     the persistent cache."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
@@ -183,8 +184,8 @@ def test_run_gin_files_build(path):
         configuration.build(cls)
 
 
-# The README's main job, its first 10 steps: the whole 60 take five minutes on 2 cores (the
-# README reports their losses), a fifth of CI's time for the same program run longer.
+# The README's main job, its first 10 steps: the same command and program as the whole 60,
+# which take five minutes on 2 cores (the README reports their losses).
 DEMO_STEPS = [
     "--gin.RunConfig.train_steps=10",
     "--gin.EvalConfig.loss_every=5",

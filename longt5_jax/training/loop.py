@@ -46,15 +46,13 @@ def train(cfg: dict) -> dict:
     try:
         # A resumed run never initialises: the restore fills the state's shapes in place.
         start, state = checkpoints.resume(step.abstract_state, batches)
-        if start:
-            note = f"resumed from step {start} in {model_dir / 'checkpoints'}"
-        else:
+        note = f"resumed from step {start} in {model_dir / 'checkpoints'}" if start else ""
+        if not start:
             state = step.init(jax.random.key(run.seed))
-            note = ""
-        if not start and cfg["ckpt"].init_from:
-            source = resolve(cfg["ckpt"].init_from)
-            state = state.replace(params=restore_params(source, step.abstract_state.params))
-            note = f"parameters from {source}; optimizer and step start anew"
+            if cfg["ckpt"].init_from:
+                source = resolve(cfg["ckpt"].init_from)
+                state = state.replace(params=restore_params(source, step.abstract_state.params))
+                note = f"parameters from {source}; optimizer and step start anew"
         # Only now, with the state in hand: a run that cannot start leaves MODEL_DIR as it was.
         if jax.process_index() == 0:
             (model_dir / "config.gin").write_text(configuration.operative_config())
