@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 import traceback
 import typing
@@ -106,6 +107,18 @@ def cpu_devices(count: int) -> None:
     if count and jax.config.jax_platforms in (None, "", "cpu"):
         with contextlib.suppress(RuntimeError):  # the backend has started: keep its devices
             jax.config.update("jax_num_cpu_devices", count)
+
+
+def xla_flags_for_child(cpu_devices: int = 0) -> str:
+    """This process's XLA_FLAGS for a process it starts: the fake CPU device count is the
+    child's own (`cpu_devices`, 0: none set here), every other flag (dumps, compiler options)
+    carries over."""
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    if cpu_devices:
+        flags += f" --xla_force_host_platform_device_count={cpu_devices}"
+    return " ".join(flags.split())
 
 
 def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:

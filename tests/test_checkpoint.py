@@ -456,7 +456,7 @@ def test_five_kills_anywhere_then_rerun_log_the_uninterrupted_losses_bitwise(tmp
 
     seed = random.randrange(10**6)
     rng = random.Random(seed)
-    env = child_env("XLA_FLAGS", "JAX_PLATFORMS")
+    env = child_env("JAX_PLATFORMS")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     extra = ["--gin.RunConfig.train_steps=14"]  # the whole schedule (train_command's)
     done = subprocess.run(_train_cmd(whole, *extra), capture_output=True, text=True, env=env)

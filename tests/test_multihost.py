@@ -156,7 +156,7 @@ sys.exit(next((c for c in codes if c), 0))
 @pytest.mark.slow
 def test_the_sbatch_script_trains_through_srun(tmp_path):
     _fake_slurm(tmp_path / "bin")
-    env = child_env("XLA_FLAGS")
+    env = child_env()
     env.update(
         PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
         JAX_PLATFORMS="cpu",
@@ -183,7 +183,7 @@ def test_the_sbatch_script_trains_through_srun(tmp_path):
 @pytest.mark.slow
 def test_a_dead_process_stops_the_other_within_a_minute(tmp_path):
     port = local.free_port()
-    env = child_env("XLA_FLAGS")
+    env = child_env()
     env.update(JAX_PLATFORMS="cpu")
     logs = [tmp_path / f"{i}.log" for i in range(2)]
     procs = [

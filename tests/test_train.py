@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longt5_jax import configuration, train
+from longt5_jax import cli, configuration, train
 
 TINY_RUN = [
     "--gin_file=configs/demo.gin",
@@ -28,15 +28,15 @@ TINY_RUN = [
 
 
 def child_env(*drop: str) -> dict[str, str]:
-    """The environment of a training process a test starts, less the variables in `drop`, with
-    XLA's optimisations off like the tests' own programs: conftest turns them off in XLA_FLAGS,
-    which such a process drops (its device count is its own); jax's variable for the same
-    survives. Such processes run a few tiny steps after compiling the step, often afresh (in a
-    multi-process run jax writes the persistent cache only from process 0, and keys it by each
-    process's devices, so the others always compile): compiled in about half the time, even if
-    their steps then run slower. They all compile alike, so they share
-    the persistent cache."""
+    """The environment of a process a test starts, less the variables in `drop`: the tests'
+    compile flags (conftest's XLA_FLAGS) less their device count, which is the process's own,
+    and jax's switch for XLA's cheapest optimisation level besides. Such processes run a few
+    tiny steps after compiling the step, often afresh (in a multi-process run jax writes the
+    persistent cache only from process 0, and keys it by each process's devices, so the others
+    always compile): compiled in a third of the time, even if their steps then run slower. They
+    all compile alike, so they share the persistent cache."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["XLA_FLAGS"] = cli.xla_flags_for_child()
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     return env
 
@@ -242,7 +242,7 @@ def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_and_a_rerun_resumes(tmp_path):
     """SLURM's warning signal: finish the step, save, exit 0; the same command resumes."""
-    env = child_env("XLA_FLAGS", "JAX_PLATFORMS")
+    env = child_env("JAX_PLATFORMS")
     cmd = train_command(tmp_path, "--gin.RunConfig.train_steps=400")
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

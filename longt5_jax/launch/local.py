@@ -65,8 +65,13 @@ def _watch(procs: list[subprocess.Popen], lock: threading.Lock, grace_s: float) 
 def launch(num_processes: int, devices_per_process: int, train_args: list[str], grace_s=10.0):
     """Run the processes to the end; returns the exit status."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # our device count rules
-    env.update(JAX_PLATFORMS="cpu", LONGT5_JAX_PREFIXED="1", PYTHONUNBUFFERED="1")
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "LONGT5_JAX_PREFIXED": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env["XLA_FLAGS"] = cli.xla_flags_for_child()  # the device count is each process's own
     procs = [
         subprocess.Popen(
             [

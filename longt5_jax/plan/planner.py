@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 import time
@@ -87,14 +86,11 @@ def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Ta
 
 def _rerun(argv: list[str], count: int) -> int:
     """This command again in a fresh process whose XLA makes `count` CPU devices."""
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
     env = {
         **os.environ,
         _CHILD: "1",
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip(),
+        "XLA_FLAGS": cli.xla_flags_for_child(count),
     }
     return subprocess.run([sys.executable, "-m", "longt5_jax.plan", *argv], env=env).returncode
 
