@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_train import TINY_RUN, child_env
 
-from longt5_jax import train
+from longt5_jax import cli, train
 from longt5_jax.launch import local
 from longt5_jax.training import distributed
 
@@ -47,6 +47,13 @@ def test_processes_come_from_flags_or_slurm_or_neither():
     assert distributed.detect({}, {**slurm, "SLURM_NTASKS": "1"}) is None
     assert distributed.detect({}, {}) is None
     assert distributed.first_host("a1,b2") == "a1" and distributed.first_host("n[3]") == "n3"
+
+
+def test_started_processes_keep_the_xla_flags_but_count_their_own_devices(monkeypatch):
+    dump = "--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text"
+    monkeypatch.setenv("XLA_FLAGS", f"{dump} --xla_force_host_platform_device_count=8 -x=1")
+    assert cli.xla_flags_for_child() == f"{dump} -x=1"
+    assert cli.xla_flags_for_child(4) == f"{dump} -x=1 --xla_force_host_platform_device_count=4"
 
 
 @pytest.mark.parametrize(
