@@ -65,4 +65,12 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return nodeid if Path(path).name in SPREAD else path
 
+    # Work is handed out in collection order (below), not xdist's largest-scope-first, which
+    # would leave the single multi-minute runs for last and one process idle at the end.
+    config.option.loadscopereorder = False
     return Files(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The runs in SPREAD files first, each of them minutes: the longest work starts first."""
+    items.sort(key=lambda item: item.path.name not in SPREAD)
