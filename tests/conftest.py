@@ -8,6 +8,7 @@ the slow run is read back instead (programs that took half a second or more to c
 many tiny eager ops would cost more to write than to compile).
 """
 
+import collections
 import os
 import subprocess
 import sys
@@ -65,12 +66,15 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return nodeid if Path(path).name in SPREAD else path
 
-    # Work is handed out in collection order (below), not xdist's largest-scope-first, which
-    # would leave the single multi-minute runs for last and one process idle at the end.
+    # Work is handed out in collection order (below): xdist's own, the files with most tests
+    # first, would leave the single multi-minute runs for last and one process idle at the end.
     config.option.loadscopereorder = False
     return Files(config, log)
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected
 def pytest_collection_modifyitems(config, items):
-    """The runs in SPREAD files first, each of them minutes: the longest work starts first."""
-    items.sort(key=lambda item: item.path.name not in SPREAD)
+    """The runs of SPREAD files first (each up to minutes), then files by their number of
+    tests, most first: the longest work starts first and the short files fill the end."""
+    tests_in = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path.name not in SPREAD, -tests_in[item.path]))

@@ -125,6 +125,14 @@ def _zero_expected(step, stage: int) -> dict:
     return hlo.zero_volumes(stage, grad, split, 32, cpu=False)
 
 
+def test_deviceless_compiles_keep_a_kernel_cache_file_per_process(zero_steps, monkeypatch):
+    kind = zero_steps[0].step.mesh.devices.flat[0].device_kind
+    path = Path(compile_ahead._kernel_cache(kind)["xla_gpu_kernel_cache_file"])
+    assert path.stat().st_size > 0  # XLA wrote the kernels of the fixture's four compiles there
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_kernel_cache_file=/tmp/kernels.bin")
+    assert compile_ahead._kernel_cache(kind) is None  # the user's file rules
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_bytes_match_the_ring_model_on_gpu_hlo(zero_steps, stage):
     compiled = zero_steps[stage]
