@@ -17,14 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
-import jax
-import numpy as np
 import optax
 import pytest
+from test_compiled import zero_expected
 
 from longt5_jax import configuration
-from longt5_jax.model import LongT5Config, abstract_params
+from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, hlo_module, targets
 from longt5_jax.plan.shapes import ModelShapes
@@ -110,21 +108,6 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
             assert ratio is not None and 1 / 1.15 <= ratio <= 1.15, (row["path"], kind, got, model)
 
 
-def _zero_expected(step, stage: int) -> dict:
-    params = step.abstract_state.params
-    grad = sum(4 * int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    boxed = abstract_params(step.model)
-    specs = jax.tree.leaves(
-        nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    )
-    split = sum(
-        4 * int(np.prod(x.shape))
-        for x, s in zip(jax.tree.leaves(params), specs, strict=True)
-        if "embed" in tuple(s)
-    )
-    return hlo.zero_volumes(stage, grad, split, 32, cpu=False)
-
-
 def test_deviceless_compiles_keep_a_kernel_cache_file_per_process(zero_steps, monkeypatch):
     kind = zero_steps[0].step.mesh.devices.flat[0].device_kind
     path = Path(compile_ahead._kernel_cache(kind)["xla_gpu_kernel_cache_file"])
@@ -137,7 +120,7 @@ def test_deviceless_compiles_keep_a_kernel_cache_file_per_process(zero_steps, mo
 def test_zero_bytes_match_the_ring_model_on_gpu_hlo(zero_steps, stage):
     compiled = zero_steps[stage]
     measured = hlo.bytes_by_kind(compiled.collectives)
-    expected = _zero_expected(compiled.step, stage)
+    expected = zero_expected(compiled.step, stage, cpu=False)
     print(f"ZeRO-{stage} measured {measured}\nanalytic {expected}")
     reduced = measured["all-reduce"] + measured["reduce-scatter"]
     want = expected["all-reduce"] + expected["reduce-scatter"]
