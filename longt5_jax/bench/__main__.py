@@ -1,5 +1,5 @@
 """python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, memory, offload,
-pipeline, profile, speed, strategy.
+pipeline, profile, roofline, speed, strategy.
 
 Each benchmark takes --help.
 """
@@ -16,6 +16,7 @@ from longt5_jax.bench import (
     offload,
     pipeline,
     profile,
+    roofline,
     speed,
     strategy,
 )
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "offload": offload.main,
     "pipeline": pipeline.main,
     "profile": profile.main,
+    "roofline": roofline.main,
     "speed": speed.main,
     "strategy": strategy.main,
 }

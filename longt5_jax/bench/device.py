@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _case(text: str) -> tuple[str, int, int, str]:
+def parse_case(text: str) -> tuple[str, int, int, str]:
+    """(model, input length, batch, remat) of a MODEL:INPUT_LENGTH:BATCH[:REMAT] case."""
     parts = text.split(":")
     if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts[1:3]):
         raise ValueError(f"--cases {text!r}: expected MODEL:INPUT_LENGTH:BATCH[:REMAT]")
@@ -62,14 +63,16 @@ def _case(text: str) -> tuple[str, int, int, str]:
     return parts[0], int(parts[1]), int(parts[2]), remat
 
 
-def _step(args, case: str, devices: list):
+def case_step(args, case: str, devices: list):
+    """(config, the training loop's single-device step on devices[0], (batch, input, target)
+    shape, remat) of a case; `args` gives the attention and the target length."""
     from longt5_jax.model import LongT5Config
     from longt5_jax.parallel.mesh import MeshConfig
     from longt5_jax.plan import compile_ahead
     from longt5_jax.training.optim import OptimizerConfig, make_optimizer
     from longt5_jax.training.step import StepConfig
 
-    model, length, batch, remat = _case(case)
+    model, length, batch, remat = parse_case(case)
     config = LongT5Config.preset(model, args.attention, dtype="bfloat16", remat=remat)
     optimizer = make_optimizer(OptimizerConfig(name="adamw"))
     step = compile_ahead.sharded_step(
@@ -83,7 +86,7 @@ def _deviceless(args, case: str) -> dict:
     from longt5_jax.plan import compile_ahead, cost
 
     target, devices = targets.open_target(args.target, 1, 1)
-    _, step, shape, _ = _step(args, case, devices)
+    _, step, shape, _ = case_step(args, case, devices)
     began = time.perf_counter()
     compiled = compile_ahead.CompiledStep(step, compile_ahead.compile_step(step, *shape), 1)
     a = compiled.analyse(cost.Cluster.of(target, 1, 1))
@@ -106,7 +109,7 @@ def _on_gpu(args, case: str) -> dict:
     if jax.default_backend() != "gpu":
         raise ValueError(_NO_GPU)
     device = jax.devices()[0]
-    config, step, (b, length, target_length), remat = _step(args, case, jax.devices())
+    config, step, (b, length, target_length), remat = case_step(args, case, jax.devices())
     state = step.init(jax.random.key(0))
     features = random_batch(b, length, target_length, config.vocab_size)
     batch = jax.device_put({k: jnp.asarray(v) for k, v in features.items()}, step.batch_sharding)
@@ -154,7 +157,7 @@ def _transformers(args, case: str, device: str = "cuda") -> dict:
     from longt5_jax.formats import hf
     from longt5_jax.model import LongT5Config
 
-    model, length, b, remat = _case(case)
+    model, length, b, remat = parse_case(case)
     config = LongT5Config.preset(model, args.attention)
     net = transformers.LongT5ForConditionalGeneration(
         transformers.LongT5Config(**hf.config_to_hf(config))
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         for case in args.cases:
-            _case(case)
+            parse_case(case)
         targets.load(args.target)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,7 +9,10 @@ convolutions inside (2 per multiply-add; elementwise arithmetic is negligible be
 GPU and is left out). Bytes are what the kernel reads and writes in HBM: its operands and result,
 except that an operand the kernel only slices is charged for the slices, and a result written by
 an in-place dynamic-update-slice is charged for the update. Float32 dots run at half the bf16
-peak (TF32 tensor cores). Collectives are communication, charged elsewhere. The sum is what a
+peak (TF32 tensor cores). A Pallas Triton kernel (a custom call XLA cannot see into) is charged
+its operands and results, and the FLOPs it declares in its name: `<kernel>.flops_<N>`, N the
+bf16-rate FLOPs of one call (its `pallas_call(name=...)`, which the HLO keeps; a cost estimate
+does not survive lowering). Collectives are communication, charged elsewhere. The sum is what a
 perfect scheduler on one stream reaches: no overlap between kernels, no launch overhead.
 """
 
@@ -36,6 +39,10 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 _CONTRACTING = re.compile(
     r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]'
 )
+TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
+_KERNEL_NAME = re.compile(r'\bname = "([^"]*)"')  # a Triton call's backend config
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+DECLARED_FLOPS = re.compile(r"\.flops_(\d+)")
 
 
 @dataclasses.dataclass
@@ -156,6 +163,27 @@ class Kernel:
         return compute, self.bytes / hbm_bytes_per_s
 
 
+def op_name(instr: Instr) -> str:
+    """The instruction's `op_name` metadata (the jax name stack), or ""."""
+    m = _OP_NAME.search(instr.attrs)
+    return m.group(1) if m else ""
+
+
+def triton_name(instr: Instr) -> str:
+    """The name a Pallas Triton call was given (`pallas_call(name=...)`), or ""."""
+    names = _KERNEL_NAME.findall(instr.attrs)
+    if names:
+        return names[-1]
+    parts = op_name(instr).split("/")  # .../NAME/pallas_call
+    return parts[-2] if len(parts) > 1 and parts[-1] == "pallas_call" else ""
+
+
+def declared_flops(instr: Instr) -> float:
+    """The FLOPs a Pallas Triton kernel declares in its name (0 when it declares none)."""
+    m = DECLARED_FLOPS.search(triton_name(instr))
+    return float(m.group(1)) if m else 0.0
+
+
 def kernel(module: Module, comp: Computation, instr: Instr) -> Kernel | None:
     """The work of one scheduled instruction, or None if it launches no kernel."""
     op = instr.opcode
@@ -165,6 +193,8 @@ def kernel(module: Module, comp: Computation, instr: Instr) -> Kernel | None:
         fused = module.computations.get(_callee(instr))
         fast, slow = _fused_flops(module, fused) if fused else (0.0, 0.0)
         return Kernel(fast, slow, _fusion_bytes(module, comp, instr))
+    if op == "custom-call" and TRITON in instr.attrs:
+        return Kernel(declared_flops(instr), 0.0, _plain_bytes(comp, instr))
     fast = slow = 0.0
     if _is_matmul(instr):
         flops = _dot_flops(comp, instr)
@@ -174,21 +204,66 @@ def kernel(module: Module, comp: Computation, instr: Instr) -> Kernel | None:
     return Kernel(fast, slow, _plain_bytes(comp, instr))
 
 
-def roofline(module: Module, peak_flops: float, hbm_bytes_per_s: float) -> Roofline:
-    """The roofline of a parsed program on a device of `peak_flops` (bf16) and HBM bandwidth."""
-    out = Roofline()
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """One scheduled kernel: its work per launch, and its launches per step."""
+
+    name: str  # the HLO instruction
+    opcode: str
+    op_name: str  # the jax name stack it came from ("" if none)
+    bytes: float
+    fast_flops: float
+    slow_flops: float
+    compute_s: float
+    memory_s: float
+    times: int
+
+    @property
+    def seconds(self) -> float:
+        """Roofline seconds of one launch."""
+        return max(self.compute_s, self.memory_s)
+
+
+def kernels(module: Module, peak_flops: float, hbm_bytes_per_s: float) -> list[KernelCost]:
+    """Every kernel a step launches, in schedule order within each computation."""
+    out = []
     for comp, times in module.scheduled():
         for instr in comp.instrs:
             k = kernel(module, comp, instr)
             if k is None:
                 continue
             compute, memory = k.seconds(peak_flops, hbm_bytes_per_s)
-            out.flops += times * (k.fast_flops + k.slow_flops)
-            out.bytes += times * k.bytes
-            out.seconds += times * max(compute, memory)
-            out.compute_bound_seconds += times * compute * (compute >= memory)
-            out.kernels += times
+            out.append(
+                KernelCost(
+                    instr.name,
+                    instr.opcode,
+                    op_name(instr),
+                    k.bytes,
+                    k.fast_flops,
+                    k.slow_flops,
+                    compute,
+                    memory,
+                    times,
+                )
+            )
     return out
+
+
+def total(kernels: list[KernelCost]) -> Roofline:
+    """The roofline of a step from its kernels."""
+    out = Roofline()
+    for k in kernels:
+        out.flops += k.times * (k.fast_flops + k.slow_flops)
+        out.bytes += k.times * k.bytes
+        out.seconds += k.times * k.seconds
+        out.compute_bound_seconds += k.times * k.compute_s * (k.compute_s >= k.memory_s)
+        out.kernels += k.times
+    return out
+
+
+def roofline(module: Module, peak_flops: float, hbm_bytes_per_s: float) -> Roofline:
+    """The roofline of a parsed program on a device of `peak_flops` (bf16) and HBM bandwidth."""
+    return total(kernels(module, peak_flops, hbm_bytes_per_s))
 
 
 def exposed_communication(
