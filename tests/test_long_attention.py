@@ -15,8 +15,8 @@ from longt5_jax.model.long_attention import (
     LongSelfAttention,
     global_blocks,
     relative_positions_3block,
-    shifted_rows,
 )
+from longt5_jax.model.relpos import shifted_rows
 
 _global_blocks = jax.jit(global_blocks, static_argnums=2)
 

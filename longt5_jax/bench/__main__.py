@@ -1,5 +1,5 @@
-"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, memory, offload,
-pipeline, profile, roofline, speed, strategy.
+"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, kernels, memory,
+offload, pipeline, profile, roofline, speed, strategy.
 
 Each benchmark takes --help.
 """
@@ -12,6 +12,7 @@ from longt5_jax.bench import (
     data,
     decode,
     device,
+    kernels,
     memory,
     offload,
     pipeline,
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "data": data.main,
     "decode": decode.main,
     "device": device.main,
+    "kernels": kernels.main,
     "memory": memory.main,
     "offload": offload.main,
     "pipeline": pipeline.main,

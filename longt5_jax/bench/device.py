@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", nargs="+", default=CASES, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
     p.add_argument("--target", default="h100-80gb", help="what the deviceless compile targets")
     p.add_argument("--attention", default="tglobal")
+    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
+    p.add_argument(
+        "--deviceless",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compile each case deviceless for --target (memory and roofline ratios)",
+    )
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2)
@@ -73,7 +80,10 @@ def case_step(args, case: str, devices: list):
     from longt5_jax.training.step import StepConfig
 
     model, length, batch, remat = parse_case(case)
-    config = LongT5Config.preset(model, args.attention, dtype="bfloat16", remat=remat)
+    kernel = getattr(args, "attention_kernel", "xla")
+    config = LongT5Config.preset(
+        model, args.attention, dtype="bfloat16", remat=remat, attention_kernel=kernel
+    )
     optimizer = make_optimizer(OptimizerConfig(name="adamw"))
     step = compile_ahead.sharded_step(
         config, MeshConfig(data=1), StepConfig(), optimizer, devices[:1], 1
@@ -197,6 +207,7 @@ def _child(args, kind: str, case: str) -> dict:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     cmd = [sys.executable, "-m", "longt5_jax.bench", "device", "--child", kind, "--cases", case]
     cmd += ["--target", args.target, "--attention", args.attention]
+    cmd += ["--attention_kernel", args.attention_kernel]
     cmd += ["--target_length", str(args.target_length), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -224,8 +235,15 @@ def _print(rows: list[dict]) -> None:
     print(head)
     for r in rows:
         d, g = r["deviceless"], r["gpu"]
-        if "memory_ratio" not in r:
-            print(f"{r['case']:24} {d.get('error', '')} {g.get('error', '')}")
+        if "error" in g:
+            print(f"{r['case']:24} {g['error']}")
+            continue
+        if "memory_ratio" not in r:  # the GPU's figures alone
+            print(
+                f"{r['case']:24} {g['step_s']:7.3f} {g['tokens_per_s']:8.0f} {g['mfu']:6.1%} "
+                f"{g['hfu']:6.1%} {'-':>7} {g['memory']['total'] / gib:7.2f} "
+                f"{g['allocator_peak'] / gib:7.2f}  ({d.get('error', '')})"
+            )
             continue
         print(
             f"{r['case']:24} {g['step_s']:7.3f} {g['tokens_per_s']:8.0f} {g['mfu']:6.1%} "
@@ -288,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         if gpu.get("error") == _NO_GPU:
             print(f"error: {gpu['error']}", file=sys.stderr)
             return 2
-        print(f"{case}: deviceless compile for {args.target}", file=sys.stderr, flush=True)
-        rows.append(_row(case, _child(args, "deviceless", case), gpu))
+        deviceless = {"error": "not compiled (--no-deviceless)"}
+        if args.deviceless:
+            print(f"{case}: deviceless compile for {args.target}", file=sys.stderr, flush=True)
+            deviceless = _child(args, "deviceless", case)
+        rows.append(_row(case, deviceless, gpu))
         if args.transformers:
             print(f"{case}: transformers on this GPU", file=sys.stderr, flush=True)
             rows[-1]["transformers"] = torch = _child(args, "torch", case)

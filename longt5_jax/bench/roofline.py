@@ -58,6 +58,7 @@ def _parser() -> cli.ArgumentParser:
     p.add_argument("--cases", nargs="+", default=CASES, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
     p.add_argument("--target", default="h100-80gb", help="a100-80gb, h100-80gb or a file")
     p.add_argument("--attention", default="tglobal")
+    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
     p.add_argument("--target_length", type=cli.positive, default=512)
     p.add_argument("--top", type=cli.positive, default=10, help="groups listed per case")
     p.add_argument("--out_dir", default="bench_out")
@@ -145,6 +146,7 @@ def _child(args, case: str) -> dict:
     env = {**os.environ, **targets.DEVICELESS_ENV}
     cmd = [sys.executable, "-m", "longt5_jax.bench", "roofline", "--child", "--cases", case]
     cmd += ["--target", args.target, "--attention", args.attention]
+    cmd += ["--attention_kernel", args.attention_kernel]
     cmd += ["--target_length", str(args.target_length)]
     began = time.perf_counter()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)

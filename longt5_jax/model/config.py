@@ -19,6 +19,7 @@ _SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 
 REMAT_POLICIES = ("none", "full", "save_dots")
+ATTENTION_KERNELS = ("xla", "pallas")
 _ATTENTION_ALIASES = {
     "local": "local",
     "transient-global": "transient-global",
@@ -47,6 +48,10 @@ class LongT5Config:
     # Parameters are always float32; this is the dtype of activations and matmul inputs.
     dtype: str = "float32"
     remat: str = "none"
+    # The encoder attention: "xla" (the reference, score tensors in memory) or "pallas" (fused
+    # kernels, `long_attention_kernel`: Triton on a GPU, interpreted on a CPU). Training with
+    # dropout runs the XLA path, whose masks follow the rows.
+    attention_kernel: str = "xla"
     pad_id: int = 0
     eos_id: int = 1
     decoder_start_id: int = 0
@@ -60,6 +65,11 @@ class LongT5Config:
         object.__setattr__(self, "attention", attention)
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"LongT5Config.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"LongT5Config.attention_kernel={self.attention_kernel!r}: expected one of "
+                f"{ATTENTION_KERNELS}"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(
                 f"LongT5Config.dtype={self.dtype!r}: expected 'float32', 'bfloat16' or 'float16'"

@@ -15,13 +15,12 @@ each contiguous segment) are exact: no attention and no global aggregate crosses
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from longt5_jax.model import long_attention_kernel as kernel
 from longt5_jax.model import relpos
 from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
 from longt5_jax.model.config import LongT5Config
@@ -137,11 +136,46 @@ class LongSelfAttention(nn.Module):
         side_table_HR: jax.Array | None,
         rows: Rows | None = None,
     ) -> jax.Array:
-        c, w = self.config, self.config.block_len
-        length = x_BLD.shape[1]
+        c, length = self.config, x_BLD.shape[1]
         q_BLHK = nn.with_logical_constraint(self.query(x_BLD), HEADS)
         k_BLHK = nn.with_logical_constraint(self.key(x_BLD), HEADS)
         v_BLHK = nn.with_logical_constraint(self.value(x_BLD), HEADS)
+        side = None
+        if blocks is not None:  # also when G = 0 (inputs shorter than a block), for the params
+            num_globals = length // c.global_block_size
+            agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
+            g_BGD = self.global_input_layer_norm(agg_BGD)
+            side = (self.key(g_BGD), self.value(g_BGD))
+        dropout = not self.deterministic and c.dropout_rate > 0
+        if c.attention_kernel == "pallas" and not dropout:
+            out_BLHK = self._fused(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
+                                   side, side_table_HR)  # fmt: skip
+        else:
+            out_BLHK = self._blocked(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
+                                     side, side_table_HR, rows)  # fmt: skip
+        out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
+        return self.out(out_BLHK)
+
+    def _fused(self, q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks, side, table_HR):
+        """The Pallas kernels (`long_attention_kernel`): no score tensor in memory."""
+        c = self.config
+        fused_side = None
+        if side is not None and side[0].shape[1]:
+            by_distance_HD = relpos.by_distance(
+                table_HR, side[0].shape[1], c.relpos_buckets, c.relpos_max_distance
+            )
+            fused_side = kernel.Side(
+                *side, by_distance_HD, blocks.block_ids, blocks.global_segment_ids
+            )
+        return kernel.encoder_attention(
+            q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, fused_side, c.global_block_size
+        )
+
+    def _blocked(
+        self, q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks, side, table_HR, rows
+    ) -> jax.Array:
+        """The reference: score tensors over [B, H, N, W, 3W + G] in XLA."""
+        c, w, length = self.config, self.config.block_len, q_BLHK.shape[1]
         # Heads-major blocks: every attention matmul then batches over leading (b, h, n) axes and
         # the score tensors need no transposes, which on CPU cost as much as the matmuls.
         q_BHNWK = split_blocks(heads_major(q_BLHK), w, axis=2)
@@ -159,27 +193,19 @@ class LongSelfAttention(nn.Module):
         )
         logits = [local_BHNWX]
         values = [("bhnwx,bhnxk->bhnwk", v_BHNXK)]
-
-        num_globals = length // c.global_block_size
-        if blocks is not None:  # also when G = 0 (inputs shorter than a block), for the params
-            agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
-            g_BGD = self.global_input_layer_norm(agg_BGD)
-            side_k_BHGK = heads_major(self.key(g_BGD))
-            side_v_BHGK = heads_major(self.value(g_BGD))
+        if side is not None:
+            num_globals = side[0].shape[1]
+            side_k_BHGK, side_v_BHGK = heads_major(side[0]), heads_major(side[1])
             side_BHNWG = jnp.einsum(
                 "bhnwk,bhgk->bhnwg", q_BHNWK, side_k_BHGK, preferred_element_type=jnp.float32
             )
-            side_BHNWG = side_BHNWG + self._side_bias(
-                segment_ids, blocks, side_table_HR, num_globals
-            )
+            side_BHNWG = side_BHNWG + self._side_bias(segment_ids, blocks, table_HR, num_globals)
             logits.append(side_BHNWG)
             values.append(("bhnwg,bhgk->bhnwk", side_v_BHGK))
 
         out_BHNWK = self._attend(logits, values, rows)
         b, h, n = out_BHNWK.shape[:3]
-        out_BLHK = out_BHNWK.reshape(b, h, n * w, c.d_kv)[:, :, :length].transpose(0, 2, 1, 3)
-        out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
-        return self.out(out_BLHK)
+        return out_BHNWK.reshape(b, h, n * w, c.d_kv)[:, :, :length].transpose(0, 2, 1, 3)
 
     def _attend(
         self, logits: list[jax.Array], values: list[tuple[str, jax.Array]], rows: Rows | None
@@ -208,45 +234,13 @@ class LongSelfAttention(nn.Module):
         seg_BNW = split_blocks(segment_ids, w)
         if num_globals == 0:  # inputs shorter than a global block: no side keys
             return jnp.zeros((*seg_BNW.shape[:1], table_HR.shape[0], *seg_BNW.shape[1:], 0))
-        distances = jnp.arange(2 * num_globals) - num_globals + 1
-        buckets = relpos.relative_position_bucket(
-            distances, True, c.relpos_buckets, c.relpos_max_distance
+        by_distance_HD = relpos.by_distance(
+            table_HR, num_globals, c.relpos_buckets, c.relpos_max_distance
         )
-        by_distance_HD = jnp.take(table_HR, buckets, axis=1)
         shift_BNW = split_blocks(blocks.block_ids, w) + 1
         # One copy per row, typed like the rows: inside a shard_map the rows vary over its axes
         # and the table does not, and a custom gradient must come back typed as it went in.
         by_distance_BHD = jnp.where(shift_BNW[:, :1, :1] >= 0, by_distance_HD, 0.0)
-        bias_BHNWG = shifted_rows(by_distance_BHD, shift_BNW, num_globals)
+        bias_BHNWG = relpos.shifted_rows(by_distance_BHD, shift_BNW, num_globals)
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
         return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def shifted_rows(v_BHD: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array:
-    """[B, H, N, W, cols] with out[b, h, n, w, g] = v[b, h, g - shift[b, n, w] + cols], for
-    shifts in [0, cols] (D = 2 cols).
-
-    The gradient gathers instead of scattering: autodiff of the gather would scatter-add all
-    B*H*L*G cotangents into the 2G*H entries of v, which on a GPU serialises on atomics (79% of
-    a 16k-token base step on an H100, 1.3 of 1.7 s); here each entry of v sums the cotangents
-    found at its distance along every row, a gather fused into a reduction.
-    """
-    index_BNWG = jnp.arange(cols) - shift_BNW[..., None] + cols
-    return jax.vmap(lambda v_HD, index: jnp.take(v_HD, index, axis=1))(v_BHD, index_BNWG)
-
-
-def _shifted_rows_fwd(v_BHD, shift_BNW, cols):
-    return shifted_rows(v_BHD, shift_BNW, cols), shift_BNW
-
-
-def _shifted_rows_bwd(cols, shift_BNW, cotangent_BHNWG):
-    index_BNWD = jnp.arange(2 * cols) + shift_BNW[..., None] - cols
-    index_BNWD = jnp.where(index_BNWD < 0, cols, index_BNWD)  # negative would count from the end
-    found_BHNWD = jnp.take_along_axis(
-        cotangent_BHNWG, index_BNWD[:, None], axis=-1, mode="fill", fill_value=0
-    )
-    return found_BHNWD.sum((2, 3)), None
-
-
-shifted_rows.defvjp(_shifted_rows_fwd, _shifted_rows_bwd)

@@ -1,0 +1,203 @@
+"""Backward kernels of the fused encoder attention (FlashAttention-2: the probabilities are
+recomputed from the forward's log-sum-exp). See `long_attention_kernel` for what each reads and
+writes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model.relpos import sum_by_distance
+
+
+def _dq_kernel(geo: tiles.Geometry, *refs):
+    q_ref, k_refs, v_refs = refs[0], refs[1:4], refs[4:7]
+    sq_ref, sk_refs, bias_ref = refs[7], refs[8:11], refs[11]
+    do_ref, lse_ref, delta_ref = refs[12:15]
+    side_refs, dq_ref = refs[15:-1], refs[-1]
+    b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q, seg_q, do = q_ref[...], sq_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def grad(s, valid, k, v):
+        p = tiles.probs(s, valid, lse)
+        ds = p * (tiles.dot(do, v, trans_b=True) - delta[:, None])
+        return tiles.dot(ds.astype(k.dtype), k)
+
+    dq = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
+    for c in range(3):
+        k = k_refs[c][...]
+        s = tiles.dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
+        dq += grad(s, tiles.local_valid(geo, n, c, seg_q, sk_refs[c][...]), k, v_refs[c][...])
+    if geo.g:
+        sk_ref, sv_ref, gq_ref, gseg_ref, sbias_ref = side_refs
+        gq = gq_ref[...]
+
+        def chunk(j, dq):
+            keys = pl.ds(j * geo.c, geo.c)
+            bias, valid = tiles.side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
+            k = sk_ref[b, keys, h, :]
+            return dq + grad(tiles.dot(q, k, trans_b=True) + bias, valid, k, sv_ref[b, keys, h, :])
+
+        dq = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, dq)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(geo: tiles.Geometry, *refs):
+    """Local dk, dv of key block m: it is chunk c of query block m + 1 - c."""
+    k_ref, v_ref, sk_ref, bias_ref = refs[:4]
+    per_query = [refs[4 + 5 * c : 9 + 5 * c] for c in range(3)]
+    dk_ref, dv_ref = refs[-2:]
+    m = pl.program_id(2)
+    k, v, seg_k = k_ref[...], v_ref[...], sk_ref[...]
+    dk = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
+    dv = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
+    for c, (q_ref, do_ref, lse_ref, delta_ref, sq_ref) in enumerate(per_query):
+        q, do = q_ref[...], do_ref[...]
+        valid = tiles.local_valid(geo, m + 1 - c, c, sq_ref[...], seg_k)
+        s = tiles.dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
+        p = tiles.probs(s, valid, lse_ref[...])
+        dv += tiles.dot(p.astype(do.dtype).T, do)
+        ds = p * (tiles.dot(do, v, trans_b=True) - delta_ref[...][:, None])
+        dk += tiles.dot(ds.astype(q.dtype).T, q)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dbias_kernel(geo: tiles.Geometry, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref,
+                  bias_ref, out_ref):  # fmt: skip
+    """Local bias gradient of query block n, summed over the batch: [W, 3W] per (h, n)."""
+    h, n = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(n * geo.w, geo.w)
+    for c in range(3):
+        keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w, geo.w)
+        bias = bias_ref[:, c * geo.w : (c + 1) * geo.w]
+
+        def one_row(b, acc, keys=keys, bias=bias, c=c):
+            q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
+            valid = tiles.local_valid(geo, n, c, seg_ref[b, rows], seg_ref[b, keys])
+            p = tiles.probs(
+                tiles.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias, valid, lse_ref[b, h, rows]
+            )
+            dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
+            return acc + p * (dp - delta_ref[b, h, rows][:, None])
+
+        zeros = jnp.zeros((geo.w, geo.w), jnp.float32)
+        out_ref[:, c * geo.w : (c + 1) * geo.w] = jax.lax.fori_loop(0, geo.batch, one_row, zeros)
+
+
+def _side_kernel(geo: tiles.Geometry, q_ref, do_ref, lse_ref, delta_ref, seg_ref, gq_ref, gmin_ref,
+                 sk_ref, sv_ref, gseg_ref, sbias_ref, dk_ref, dv_ref, r_ref):  # fmt: skip
+    """Side dk, dv of chunk j over every query block, and each block's side bias gradient
+    summed over the tokens of each global block ([U, C] per block)."""
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k, v = sk_ref[...], sv_ref[...]
+
+    def block(n, carry):
+        dk, dv = carry
+        rows = pl.ds(n * geo.w, geo.w)
+        q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
+        gq = gq_ref[b, rows]
+        bias, valid = tiles.side_terms(geo, h, j, seg_ref[b, rows], gq, gseg_ref, sbias_ref, b)
+        p = tiles.probs(tiles.dot(q, k, trans_b=True) + bias, valid, lse_ref[b, h, rows])
+        dv += tiles.dot(p.astype(do.dtype).T, do)
+        ds = p * (tiles.dot(do, v, trans_b=True) - delta_ref[b, h, rows][:, None])
+        dk += tiles.dot(ds.astype(q.dtype).T, q)
+        u = jnp.where(gq < 0, 0, gq - gmin_ref[b, n] + 1)
+        onehot = (u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.float32)
+        r = jnp.dot(onehot, ds, precision=jax.lax.Precision.HIGHEST)
+        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = r
+        return dk, dv
+
+    zeros = jnp.zeros((geo.c, geo.head_dim), jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, geo.n, block, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def backward(geo: tiles.Geometry, res, do):
+    q, k, v, seg, bias, side, gq, o, lse = res
+    delta = jnp.einsum("blhk,blhk->bhl", do.astype(jnp.float32), o.astype(jnp.float32))
+    specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
+    specs += [tiles.tile(geo), tiles.stat(geo), tiles.stat(geo)]
+    arrays += [do, lse, delta]
+    if geo.g:
+        side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
+        specs, arrays = specs + side_specs, arrays + side_arrays
+    grid = (geo.batch, geo.heads, geo.n)
+    dq_kernel = functools.partial(_dq_kernel, geo)
+    dq_shape = tiles.out(q.shape, q.dtype, q)
+    dq = tiles.call(
+        geo,
+        dq_kernel,
+        "encoder_attention_dq",
+        geo.flops(3, 3),
+        grid,
+        specs,
+        tiles.tile(geo),
+        dq_shape,
+    )(*arrays)
+
+    per_query = [
+        [tiles.tile(geo, 1 - c)] * 2 + [tiles.stat(geo, 1 - c)] * 2 + [tiles.row(geo, 1 - c)]
+        for c in range(3)
+    ]
+    dk, dv = tiles.call(
+        geo,
+        functools.partial(_dkv_kernel, geo),
+        "encoder_attention_dkv",
+        geo.flops(4, 0),
+        grid,
+        [tiles.tile(geo), tiles.tile(geo), tiles.row(geo), tiles.bias_spec(geo)]
+        + sum(per_query, []),
+        [tiles.tile(geo), tiles.tile(geo)],
+        [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
+    )(k, v, seg, bias, *[q, do, lse, delta, seg] * 3)
+
+    dbias = tiles.call(
+        geo,
+        functools.partial(_dbias_kernel, geo),
+        "encoder_attention_dbias",
+        geo.flops(2, 0),
+        (geo.heads, geo.n),
+        [tiles.whole()] * 7 + [pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))],
+        pl.BlockSpec((None, None, geo.w, 3 * geo.w), lambda h, n: (h, n, 0, 0)),
+        tiles.out((geo.heads, geo.n, geo.w, 3 * geo.w), jnp.float32, q),
+    )(q, k, v, do, lse, delta, seg, bias).sum(1)
+    d_side = (None,) * 3
+    if geo.g:
+        d_side = _side_backward(geo, q, do, lse, delta, seg, gq, side)
+    return dq, dk, dv, dbias, d_side
+
+
+def _side_backward(geo: tiles.Geometry, q, do, lse, delta, seg, gq, side: tiles.Side):
+    """Side dk, dv and the side bias gradient by distance."""
+    gq_BNW = gq.reshape(geo.batch, geo.n, geo.w)
+    present = gq_BNW >= 0
+    gmin_BN = jnp.where(present.any(-1), jnp.min(jnp.where(present, gq_BNW, geo.g), -1), 0)
+    chunk = pl.BlockSpec((None, geo.c, None, geo.head_dim), lambda b, h, j: (b, j, h, 0))
+    dk, dv, r = tiles.call(
+        geo,
+        functools.partial(_side_kernel, geo),
+        "encoder_attention_dside",
+        geo.flops(0, 4) + 2 * geo.batch * geo.heads * geo.n * geo.u * geo.w * geo.gp,
+        (geo.batch, geo.heads, geo.gp // geo.c),
+        [tiles.whole()] * 7 + [chunk, chunk, tiles.whole(), tiles.whole()],
+        [chunk, chunk, tiles.whole()],
+        [
+            tiles.out(side.k_BGHK.shape, side.k_BGHK.dtype, q),
+            tiles.out(side.v_BGHK.shape, side.v_BGHK.dtype, q),
+            tiles.out((geo.batch, geo.heads, geo.n, geo.u, geo.gp), jnp.float32, q),
+        ],
+    )(q, do, lse, delta, seg, gq, gmin_BN.astype(jnp.int32), side.k_BGHK, side.v_BGHK,
+      side.global_segment_ids, side.bias_HD)  # fmt: skip
+    # Row u of block n holds the tokens of global block gmin + u - 1 (row 0: of none), whose
+    # bias to side key g is bias_HD[g - block - 1 + G]: `shifted_rows` with shift = block + 1.
+    shift_BNU = jnp.where(jnp.arange(geo.u) == 0, 0, gmin_BN[..., None] + jnp.arange(geo.u))
+    shift_BNU = jnp.clip(shift_BNU, 0, geo.g)
+    d_bias_BHD = sum_by_distance(r[..., : geo.g], shift_BNU, geo.g)
+    return dk, dv, d_bias_BHD.sum(0)

@@ -1,0 +1,159 @@
+"""LongT5 encoder attention (Local and TGlobal) fused into Pallas kernels (Triton backend).
+
+The spec is `long_attention.LongSelfAttention`'s XLA path; this computes the same attention
+without ever writing a score or probability tensor to HBM. Letter key as there, plus C side
+keys per chunk and U rows of the one-hot that sums a query block's side-bias gradient by global
+block. Layout: q, k, v and the output stay [B, L, H, K] (no heads-major transposes): a block
+load [W, K] at (b, n, h) is a strided read.
+
+Per program of the forward (grid B x H x N), on chip: the query block [W, K], one key and value
+block [W, K] at a time (blocks n-1, n, n+1; the window is |i - j| < W), the [W, W] slice of the
+local bias, then the side keys and values C at a time with their [W, C] bias gathered from the
+[H, 2G] side table by distance; one online softmax over all of them. HBM per program: q, the
+three k and v blocks, G side k and v rows (from L2 after the first head), the output and a [W]
+log-sum-exp. The backward recomputes the probabilities from that log-sum-exp (FlashAttention-2):
+dq by query block; local dk, dv by key block (its three query blocks); side dk, dv by chunk of
+side keys over all query blocks; the local bias gradient as [H, N, W, 3W] partial sums over the
+batch (XLA sums the N); the side bias gradient summed in-kernel over the tokens of each global
+block (a [U, W] one-hot matmul, U << W), then by distance in XLA. Rows that see no key (padding)
+output 0. Dropout is not fused: the model uses the XLA path when dropout is active.
+
+Each kernel declares its tensor-core FLOPs in its name (`NAME.flops_N`): XLA has no cost for a
+custom call, and `plan.roofline` reads them from there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from longt5_jax.model import long_attention_grad as grad
+from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model.long_attention_tiles import Side
+
+__all__ = ["Side", "encoder_attention"]
+
+
+# -- forward ------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(geo: tiles.Geometry, *refs):
+    q_ref, k_refs, v_refs = refs[0], refs[1:4], refs[4:7]
+    sq_ref, sk_refs, bias_ref = refs[7], refs[8:11], refs[11]
+    side_refs, (o_ref, lse_ref) = refs[12:-2], refs[-2:]
+    b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q, seg_q = q_ref[...], sq_ref[...]
+    state = (
+        jnp.full((geo.w,), -jnp.inf, jnp.float32),
+        jnp.zeros((geo.w,), jnp.float32),
+        jnp.zeros((geo.w, geo.head_dim), jnp.float32),
+    )
+    for c in range(3):
+        s = tiles.dot(q, k_refs[c][...], trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
+        state = tiles.online(
+            state, s, tiles.local_valid(geo, n, c, seg_q, sk_refs[c][...]), v_refs[c][...]
+        )
+    if geo.g:
+        sk_ref, sv_ref, gq_ref, gseg_ref, sbias_ref = side_refs
+        gq = gq_ref[...]
+
+        def chunk(j, state):
+            keys = pl.ds(j * geo.c, geo.c)
+            bias, valid = tiles.side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
+            s = tiles.dot(q, sk_ref[b, keys, h, :], trans_b=True) + bias
+            return tiles.online(state, s, valid, sv_ref[b, keys, h, :])
+
+        state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
+    m, l, acc = state
+    seen = l > 0
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
+        o_ref.dtype
+    )
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+
+
+def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq):
+    specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
+    if geo.g:
+        side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
+        specs, arrays = specs + side_specs, arrays + side_arrays
+    b, length = seg.shape
+    return tiles.call(
+        geo,
+        functools.partial(_fwd_kernel, geo),
+        "encoder_attention_fwd",
+        geo.flops(2, 2),
+        (geo.batch, geo.heads, geo.n),
+        specs,
+        [tiles.tile(geo), tiles.stat(geo)],
+        [
+            tiles.out(q.shape, q.dtype, q),
+            tiles.out((b, geo.heads, length), jnp.float32, q),
+        ],
+    )(*arrays)
+
+
+# -- the differentiable function ----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(geo, q, k, v, seg, bias, side, gq):
+    return _forward(geo, q, k, v, seg, bias, side, gq)[0]
+
+
+def _attention_fwd(geo, q, k, v, seg, bias, side, gq):
+    o, lse = _forward(geo, q, k, v, seg, bias, side, gq)
+    return o, (q, k, v, seg, bias, side, gq, o, lse)
+
+
+def _attention_bwd(geo, res, do):
+    dq, dk, dv, dbias, (dsk, dsv, dsb) = grad.backward(geo, res, do)
+    side = res[5]
+    d_side = None if side is None else Side(dsk, dsv, dsb, None, None)
+    return dq, dk, dv, None, dbias, d_side, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def encoder_attention(
+    q_BLHK: jax.Array,
+    k_BLHK: jax.Array,
+    v_BLHK: jax.Array,
+    segment_ids: jax.Array,
+    local_bias_HWX: jax.Array,
+    side: Side | None,
+    global_block_size: int,
+) -> jax.Array:
+    """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows)."""
+    length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
+    g = 0 if side is None else side.k_BGHK.shape[1]
+    geo = tiles.geometry(q_BLHK, w, g, global_block_size)
+    lp = geo.n * w
+    q, k, v = (_pad_to(x, 1, lp) for x in (q_BLHK, k_BLHK, v_BLHK))
+    seg = _pad_to(segment_ids.astype(jnp.int32), 1, lp)
+    gq = None
+    if geo.g:
+        gq = _pad_to(side.block_ids.astype(jnp.int32), 1, lp, -1)
+        side = Side(
+            _pad_to(side.k_BGHK, 1, geo.gp),
+            _pad_to(side.v_BGHK, 1, geo.gp),
+            side.bias_HD.astype(jnp.float32),
+            None,
+            _pad_to(side.global_segment_ids.astype(jnp.int32), 1, geo.gp),
+        )
+        out = _attention(geo, q, k, v, seg, local_bias_HWX.astype(jnp.float32), side, gq)
+    else:
+        out = _attention(geo, q, k, v, seg, local_bias_HWX.astype(jnp.float32), None, None)
+    return out[:, :length]

@@ -1,0 +1,200 @@
+"""Building blocks of the fused encoder attention kernels (`long_attention_kernel`): the
+static geometry of a call, block specs over [B, L, H, K] arrays, and the masked online-softmax
+math shared by the forward and backward kernels. Letter key as `long_attention`."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+class Side(NamedTuple):
+    """TGlobal's side keys and what masks and biases them."""
+
+    k_BGHK: jax.Array
+    v_BGHK: jax.Array
+    bias_HD: jax.Array  # [H, 2G] float32 side bias by distance g - block_id + G - 1
+    block_ids: jax.Array  # [B, L] int32, the global block of each token (-1: none)
+    global_segment_ids: jax.Array  # [B, G] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static shapes of one call."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    w: int  # block length W
+    n: int  # blocks N
+    g: int  # side keys G (0: Local, or inputs shorter than a global block)
+    c: int  # side keys per chunk
+    u: int  # one-hot rows for the side bias gradient
+
+    @property
+    def gp(self) -> int:
+        return -(-self.g // self.c) * self.c if self.g else 0
+
+    def flops(self, local_matmuls: int, side_matmuls: int) -> int:
+        """Tensor-core FLOPs of a kernel doing these [W, K] x [K, keys] matmuls per query block."""
+        per_block = (
+            2 * self.w * self.head_dim * (3 * self.w * local_matmuls + self.gp * side_matmuls)
+        )
+        return self.batch * self.heads * self.n * per_block
+
+
+def out(shape, dtype, like: jax.Array | None = None) -> jax.ShapeDtypeStruct:
+    """A kernel output's type; inside a shard_map (the pipeline's stages) it varies over the
+    manual axes the inputs vary over, which a custom call cannot infer."""
+    if like is None or _MANUAL is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(
+        shape, dtype, **{_MANUAL: getattr(jax.typeof(like), _AVAL[_MANUAL])}
+    )
+
+
+# Named `manual_axis_type` (aval field `mat`) in jax 0.10, `vma` (`vma`) elsewhere.
+_AVAL = {"manual_axis_type": "mat", "vma": "vma"}
+_MANUAL = next(
+    (k for k in _AVAL if k in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters), None
+)
+
+
+def pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int) -> Geometry:
+    b, length, h, k = q_BLHK.shape
+    c = min(64, max(16, pow2(g))) if g else 16
+    # The global blocks a window of W tokens meets: each has >= global_block tokens, so at most
+    # ceil((W - 1) / global_block) + 1 of them, plus row 0 for tokens in none.
+    u = max(16, pow2(2 + -(-(w - 1) // global_block)))
+    return Geometry(b, h, k, w, -(-length // w), g, c, u)
+
+
+def call(geo: Geometry, kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
+    """The kernel as Triton on a GPU and interpreted elsewhere (tests on CPU): both are traced,
+    and lowering keeps the one for the platform compiled for (a deviceless GPU compile on a
+    CPU host gets Triton)."""
+
+    def build(interpret: bool):
+        return pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(
+                num_warps=4 if name.endswith("fwd") else 8, num_stages=2
+            ),
+            name=f"{name}.flops_{flops}",
+        )
+
+    return lambda *arrays: jax.lax.platform_dependent(
+        *arrays, cpu=build(True), default=build(False)
+    )
+
+
+# -- block specs ------------------------------------------------------------------------------
+
+
+def tile(geo: Geometry, shift: int = 0, order=(0, 1, 2)) -> pl.BlockSpec:
+    """[W, K] of a [B, L, H, K] array at block n + shift (clamped), for grid axes (b, h, n)."""
+    last = geo.n - 1
+
+    def index(*ids):
+        b, h, n = (ids[i] for i in order)
+        return b, jnp.clip(n + shift, 0, last), h, 0
+
+    return pl.BlockSpec((None, geo.w, None, geo.head_dim), index)
+
+
+def row(geo: Geometry, shift: int = 0, order=(0, 1, 2)) -> pl.BlockSpec:
+    """[W] of a [B, L] array at block n + shift (clamped)."""
+    last = geo.n - 1
+
+    def index(*ids):
+        b, _, n = (ids[i] for i in order)
+        return b, jnp.clip(n + shift, 0, last)
+
+    return pl.BlockSpec((None, geo.w), index)
+
+
+def stat(geo: Geometry, shift: int = 0) -> pl.BlockSpec:
+    """[W] of a [B, H, L] float32 statistic at block n + shift (clamped)."""
+    last = geo.n - 1
+    return pl.BlockSpec((None, None, geo.w), lambda b, h, n: (b, h, jnp.clip(n + shift, 0, last)))
+
+
+def whole() -> pl.BlockSpec:
+    """The whole array, indexed in the kernel."""
+    return pl.BlockSpec()
+
+
+def bias_spec(geo: Geometry) -> pl.BlockSpec:
+    return pl.BlockSpec((None, geo.w, 3 * geo.w), lambda b, h, n: (h, 0, 0))
+
+
+# -- shared math --------------------------------------------------------------------------------
+
+
+def dot(a, b, trans_b=False):
+    """a @ b (or a @ b.T) with float32 accumulation."""
+    return jnp.dot(a, b.T if trans_b else b, preferred_element_type=jnp.float32)
+
+
+def local_valid(geo: Geometry, n, c, seg_q, seg_k):
+    """[W, W]: query block n against key block n - 1 + c: in range, same segment, not padding,
+    within the radius."""
+    i = jnp.arange(geo.w)
+    kblock = n - 1 + c
+    distance = (c - 1) * geo.w + i[None, :] - i[:, None]
+    inside = (kblock >= 0) & (kblock < geo.n) & (n >= 0) & (n < geo.n)
+    same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] > 0)
+    return same & (distance < geo.w) & (distance > -geo.w) & inside
+
+
+def side_terms(geo: Geometry, h, j, seg_q, gq, gseg_ref, sbias_ref, b):
+    """The side bias [W, C] and validity of chunk j of the side keys for one query block."""
+    g = j * geo.c + jnp.arange(geo.c)
+    gseg = gseg_ref[b, pl.ds(j * geo.c, geo.c)]
+    index = jnp.clip(g[None, :] - gq[:, None] - 1 + geo.g, 0, 2 * geo.g - 1)
+    bias = sbias_ref[h, index]
+    valid = (seg_q[:, None] == gseg[None, :]) & (seg_q[:, None] > 0)
+    return bias, valid
+
+
+def probs(s, valid, lse):
+    return jnp.where(valid, jnp.exp(s - lse[:, None]), 0.0)
+
+
+def online(state, s, valid, v):
+    """One chunk of keys into the running (max, sum, unnormalised output)."""
+    m, l, acc = state
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.where(valid, jnp.exp(s - m_safe[:, None]), 0.0)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+
+def local_inputs(geo: Geometry, q, k, v, seg, bias):
+    """In-specs and arrays of the local part, for grid (b, h, n) over query blocks."""
+    specs = [tile(geo)] + [tile(geo, s - 1) for s in range(3)] * 2
+    specs += [row(geo)] + [row(geo, s - 1) for s in range(3)] + [bias_spec(geo)]
+    return specs, [q, k, k, k, v, v, v, seg, seg, seg, seg, bias]
+
+
+def side_inputs(geo: Geometry, side: Side, gq):
+    specs = [whole(), whole(), row(geo), whole(), whole()]
+    return specs, [side.k_BGHK, side.v_BGHK, gq, side.global_segment_ids, side.bias_HD]
