@@ -5,14 +5,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+import test_step
 
 from longt5_jax.bench import kernels
-from longt5_jax.cli import UsageError
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.transformer import LongT5
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 from longt5_jax.plan import compile_ahead, hlo, targets
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 # name: (attention, local radius, global block, batch, length, heads, packed). Lengths are not
 # multiples of the block W = radius + 1 except where said; short_g0 is shorter than one global
@@ -111,6 +113,43 @@ def test_the_kernels_compile_in_pipeline_stages_and_move_no_more_bytes():
     assert moved["pallas"] == moved["xla"]
 
 
-def test_a_step_split_over_data_or_tensor_refuses_the_kernels():
-    with pytest.raises(UsageError, match="not partitioned over data or tensor"):
-        compile_ahead.sharded_step(GPU_CONFIG, MeshConfig(2, 1, 1, 0), devices=jax.devices()[:2])
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
+def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes():
+    """Data 2 x tensor 2: each device's kernels see its own rows and heads (a shard_map), so the
+    step's collectives are the XLA path's, byte for byte (GSPMD alone would gather every
+    operand of a custom call)."""
+    devices = targets.devices(targets.load("a100-80gb"), 1, 4)
+    steps = {
+        kernel: compile_ahead.compile_for(
+            dataclasses.replace(GPU_CONFIG, attention_kernel=kernel),
+            MeshConfig(2, 2, 1, 1),
+            devices,
+            4,
+            (8, 128, 16),
+        )  # fmt: skip
+        for kernel in ("xla", "pallas")
+    }
+    assert _triton_kernels(steps["pallas"]) == KERNELS
+    moved = {k: hlo.bytes_by(s.collectives, s.placement)["axes"] for k, s in steps.items()}
+    assert moved["pallas"] == moved["xla"]
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (4, 1)])
+def test_sharded_steps_with_the_kernels_equal_one_device(mesh):
+    """SGD steps of the tiny model, kernels interpreted on each device's shard, against the XLA
+    path on one device (test_step's batches and tolerance)."""
+    tiny = LongT5Config.preset("tiny")
+
+    def run(config, plan, devices):
+        step = ShardedStep(
+            LongT5(config), StepConfig(), optax.sgd(0.5), make_mesh(plan, devices), plan
+        )
+        state, losses = step.init(jax.random.key(0)), []
+        for batch in test_step._batches(n=2):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return np.array(losses), jax.tree.map(np.asarray, state.params)
+
+    want = run(tiny, MeshConfig(data=1), jax.devices()[:1])
+    pallas = dataclasses.replace(tiny, attention_kernel="pallas")
+    test_step._assert_same(run(pallas, MeshConfig(*mesh), jax.devices()[:4]), want)

@@ -30,18 +30,13 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
 
     dq = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
     for c in range(3):
-        k = k_refs[c][...]
-        s = tiles.dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
-        dq += grad(s, tiles.local_valid(geo, n, c, seg_q, sk_refs[c][...]), k, v_refs[c][...])
+        block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
+        dq += grad(*tiles.local_chunk(geo, q, n, c, seg_q, *block_refs))
     if geo.g:
-        sk_ref, sv_ref, gq_ref, gseg_ref, sbias_ref = side_refs
-        gq = gq_ref[...]
+        gq = side_refs[2][...]
 
         def chunk(j, dq):
-            keys = pl.ds(j * geo.c, geo.c)
-            bias, valid = tiles.side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
-            k = sk_ref[b, keys, h, :]
-            return dq + grad(tiles.dot(q, k, trans_b=True) + bias, valid, k, sv_ref[b, keys, h, :])
+            return dq + grad(*tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs))
 
         dq = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, dq)
     dq_ref[...] = dq.astype(dq_ref.dtype)

@@ -25,10 +25,13 @@ custom call, and `plan.roofline` reads them from there.
 from __future__ import annotations
 
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from longt5_jax.model import long_attention_grad as grad
 from longt5_jax.model import long_attention_tiles as tiles
@@ -52,19 +55,15 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
         jnp.zeros((geo.w, geo.head_dim), jnp.float32),
     )
     for c in range(3):
-        s = tiles.dot(q, k_refs[c][...], trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
-        state = tiles.online(
-            state, s, tiles.local_valid(geo, n, c, seg_q, sk_refs[c][...]), v_refs[c][...]
-        )
+        block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
+        s, valid, _, v = tiles.local_chunk(geo, q, n, c, seg_q, *block_refs)
+        state = tiles.online(state, s, valid, v)
     if geo.g:
-        sk_ref, sv_ref, gq_ref, gseg_ref, sbias_ref = side_refs
-        gq = gq_ref[...]
+        gq = side_refs[2][...]
 
         def chunk(j, state):
-            keys = pl.ds(j * geo.c, geo.c)
-            bias, valid = tiles.side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
-            s = tiles.dot(q, sk_ref[b, keys, h, :], trans_b=True) + bias
-            return tiles.online(state, s, valid, sv_ref[b, keys, h, :])
+            s, valid, _, v = tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs)
+            return tiles.online(state, s, valid, v)
 
         state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
     m, l, acc = state
@@ -112,7 +111,10 @@ def _attention_fwd(geo, q, k, v, seg, bias, side, gq):
 def _attention_bwd(geo, res, do):
     dq, dk, dv, dbias, (dsk, dsv, dsb) = grad.backward(geo, res, do)
     side = res[5]
-    d_side = None if side is None else Side(dsk, dsv, dsb, None, None)
+    dbias = tiles.reduce_like(dbias, res[4])
+    d_side = (
+        None if side is None else Side(dsk, dsv, tiles.reduce_like(dsb, side.bias_HD), None, None)
+    )
     return dq, dk, dv, None, dbias, d_side, None
 
 
@@ -136,7 +138,63 @@ def encoder_attention(
     side: Side | None,
     global_block_size: int,
 ) -> jax.Array:
-    """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows)."""
+    """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows).
+
+    A custom call cannot be split by the compiler (GSPMD would gather every operand to every
+    device), so under a mesh the kernels run on each device's own rows and heads: a shard_map
+    over the mesh axes that the logical `batch` and `heads` map to under the rules in force,
+    as the model's own constraints are placed. No mesh is taken and no physical axis named.
+    """
+    arrays = [q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX]
+    axes = [_ROWS, _ROWS, _ROWS, ("batch", None), ("heads", None, None)]
+    if side is not None:
+        arrays += [side.k_BGHK, side.v_BGHK, side.bias_HD, side.block_ids, side.global_segment_ids]
+        axes += [_ROWS, _ROWS, ("heads", None), ("batch", None), ("batch", None)]
+
+    def attend(q, k, v, seg, bias, *side_arrays):
+        local_side = Side(*side_arrays) if side_arrays else None
+        return _attend(q, k, v, seg, bias, local_side, global_block_size)
+
+    return _on_own_rows_and_heads(attend, arrays, axes, _ROWS)
+
+
+_ROWS = ("batch", None, "heads", None)
+
+
+def _on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*arrays)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
+    # A logical axis is split only over free mesh axes that divide it (the initialiser's one row
+    # is not split at all).
+    lengths = {"batch": arrays[0].shape[0], "heads": arrays[0].shape[2]}
+    split = {}
+    for logical, length in lengths.items():
+        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
+            split[logical] = entry
+    if not split:
+        return fn(*arrays)
+
+    def spec(logical):
+        return P(*[split.get(name) for name in logical])
+
+    used = {n for e in split.values() for n in ((e,) if isinstance(e, str) else e)}
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(spec(a) for a in axes),
+        out_specs=spec(out_axes),
+        axis_names=used,
+        # Interpreted kernels (CPU) mix program ids, which vary over no axis, with the rows.
+        check_vma=False,
+    )(*arrays)
+
+
+def _attend(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, side, global_block_size):
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
     geo = tiles.geometry(q_BLHK, w, g, global_block_size)

@@ -66,6 +66,20 @@ _MANUAL = next(
 )
 
 
+def varying(x: jax.Array) -> frozenset:
+    """The manual mesh axes x varies over (inside a shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def reduce_like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent summed over the axes its primal is the same on (a bias table shared by the
+    rows of every data shard gets the sum of their gradients)."""
+    extra = varying(cotangent) - varying(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
 def pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
@@ -170,6 +184,22 @@ def side_terms(geo: Geometry, h, j, seg_q, gq, gseg_ref, sbias_ref, b):
     bias = sbias_ref[h, index]
     valid = (seg_q[:, None] == gseg[None, :]) & (seg_q[:, None] > 0)
     return bias, valid
+
+
+def local_chunk(geo: Geometry, q, n, c, seg_q, k_ref, v_ref, sk_ref, bias_ref):
+    """(biased scores, validity, keys, values) of query block n against its key block n - 1 + c."""
+    k = k_ref[...]
+    s = dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
+    return s, local_valid(geo, n, c, seg_q, sk_ref[...]), k, v_ref[...]
+
+
+def side_chunk(geo: Geometry, q, j, b, h, seg_q, gq, side_refs):
+    """(biased scores, validity, keys, values) of a query block against side keys chunk j."""
+    sk_ref, sv_ref, _, gseg_ref, sbias_ref = side_refs
+    keys = pl.ds(j * geo.c, geo.c)
+    bias, valid = side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
+    k = sk_ref[b, keys, h, :]
+    return dot(q, k, trans_b=True) + bias, valid, k, sv_ref[b, keys, h, :]
 
 
 def probs(s, valid, lse):

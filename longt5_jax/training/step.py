@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.cli import UsageError
 from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
@@ -194,13 +193,6 @@ class ShardedStep:
     plan: MeshConfig
 
     def __post_init__(self):
-        split = {a: n for a, n in self.mesh.shape.items() if a in ("data", "tensor") and n > 1}
-        if self.model.config.attention_kernel == "pallas" and split:
-            # GSPMD cannot split a custom call: it would gather every operand to each device.
-            raise UsageError(
-                f"LongT5Config.attention_kernel='pallas' on a mesh split over {split}: the fused "
-                "kernels are not partitioned over data or tensor yet; use 'xla' there"
-            )
         boxed = abstract_params(self.model)
         zero = self.plan.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
