@@ -348,7 +348,7 @@ class ArrayRecordSource(_MultiFileSource):
             raise DataError(f"{where}: {e}") from None
 
 
-def _expand(paths: Paths) -> list[str]:
+def expand(paths: Paths) -> list[str]:
     """Expands each glob pattern (sorted), keeping the patterns' order."""
     files = []
     for pattern in _as_list(paths):
@@ -382,7 +382,7 @@ def open_source(
     format: str | None = None,
 ) -> JsonlSource | ParquetSource | ArrayRecordSource:
     """Opens files (glob patterns allowed) as one source, inferring the format from extensions."""
-    files = _expand(paths)
+    files = expand(paths)
     fmt = format or _infer_format(files)
     if fmt == "jsonl":
         source = JsonlSource(files, input_field, target_field, skip_bad_records)
