@@ -96,23 +96,26 @@ def _run_file(path: Path) -> tuple[Path, str] | None:
     return None
 
 
-def check_outputs(outputs: list[Named], inputs: list[Named]) -> None:
-    """Refuse, before any work, an output that is (or resolves to) one of the command's inputs,
-    lies inside one (a checkpoint directory it reads), or would replace a file of a training
-    run (a MODEL_DIR's checkpoints, config, metrics, lock or identity)."""
+def check_outputs(outputs: list[Named], inputs: list[Named], checkpoints: list[Named] = ()) -> None:
+    """Refuse, before any work, an output that is (or resolves to) one of the command's
+    `inputs`, is or lies inside one of the `checkpoints` it reads (a checkpoint's directory is
+    orbax's: a clean-up removes it whole, with whatever else was put in it), or would write
+    over a file of a training run (a MODEL_DIR's checkpoints, config, metrics, lock or
+    identity)."""
     for out_name, out in outputs:
         if out is None:
             continue
         target = _real(out)
-        for in_name, source in inputs:
+        for in_name, source in [*inputs, *checkpoints]:
             if source is None:
                 continue
             read = _real(source)
-            if _same(target, read) or read in target.parents:
-                how = "is" if _same(target, read) else "lies inside"
+            inside = (in_name, source) in checkpoints and read in target.parents
+            if _same(target, read) or inside:
                 raise UsageError(
-                    f"{out_name} {out} {how} {in_name} {source}, which this command reads: "
-                    "an output never replaces an input; choose another path"
+                    f"{out_name} {out} {'lies inside' if inside else 'is'} {in_name} {source}, "
+                    "which this command reads: an output never replaces an input; choose "
+                    "another path"
                 )
         run = _run_file(target)
         if run is not None:

@@ -62,7 +62,7 @@ def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: dict, ste
         p.strip() for p in (data.train_files if split == "train" else data.eval_files).split(",")
     ]
     files = expand([p for p in files if p]) if data.task == "files" and any(files) else []
-    inputs = [("--checkpoint", step_dir), ("--tokenizer", args.tokenizer or None)]
+    inputs = [("--tokenizer", args.tokenizer or None)]
     inputs += [("DataConfig.tokenizer", data.tokenizer or None)]
     inputs += [("--gin_file", f) for f in configuration.split_gin_args(gin_args)[0]]
     inputs += [(f"the {split} data file", f) for f in files]
@@ -70,7 +70,7 @@ def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: dict, ste
     outputs = [
         ("the output", out / f"{split}_{name}") for name in ("predictions.jsonl", "metrics.json")
     ]
-    cli.check_outputs(outputs, inputs)
+    cli.check_outputs(outputs, inputs, [("--checkpoint", step_dir)])
 
 
 def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:

@@ -121,11 +121,8 @@ def predict(args: argparse.Namespace) -> int:
     step_dir = resolve(args.checkpoint)
     cli.check_outputs(
         [("--output", args.output)],
-        [
-            ("--input", args.input),
-            ("--checkpoint", step_dir),
-            ("--tokenizer", args.tokenizer or None),
-        ],
+        [("--input", args.input), ("--tokenizer", args.tokenizer or None)],
+        [("--checkpoint", step_dir)],
     )
     docs = read_documents(Path(args.input), args.input_field)
     tokenizer = load_tokenizer_for(step_dir, args.tokenizer)

@@ -23,9 +23,11 @@ from longt5_jax.formats.native import CheckpointError, model_config, resolve
 from longt5_jax.model.config import LongT5Config
 
 
-def _fresh(out: str | Path, source: str | Path | None = None) -> Path:
-    """OUT, absolute, checked to be new and none of what the conversion reads."""
-    cli.check_outputs([("OUT", out)], [("SRC", source)])
+def _fresh(out: str | Path, source: str | Path | None = None, checkpoint: bool = False) -> Path:
+    """OUT, absolute, checked to be new and none of what the conversion reads (`source`, a
+    native checkpoint where `checkpoint`)."""
+    read = [("SRC", source)]
+    cli.check_outputs([("OUT", out)], [] if checkpoint else read, read if checkpoint else [])
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: already exists; choose a new output path")
@@ -95,7 +97,7 @@ def t5x_to_native(src: str | Path, out: str | Path, **overrides: Any) -> Path:
 
 def native_to_hf(ckpt: str | Path, out: str | Path) -> Path:
     step_dir = resolve(ckpt)
-    _fresh(out, step_dir)
+    _fresh(out, step_dir, checkpoint=True)
     config, params = model_config(step_dir), native_params(step_dir)
     hf.name_table(config)  # fails early, before writing, for a tree transformers cannot hold
     return _into_place(_fresh(out), lambda tmp: hf.save(config, params, tmp))
