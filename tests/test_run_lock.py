@@ -21,7 +21,7 @@ HOLD = (
 )
 
 
-def _holder(model_dir: Path) -> subprocess.Popen:
+def hold_lock(model_dir: Path) -> subprocess.Popen:
     """A real process that takes the lock and keeps it until it is killed."""
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(model_dir)], stdout=subprocess.PIPE, text=True
@@ -74,7 +74,7 @@ def test_a_release_keeps_what_the_run_wrote(tmp_path):
 
 
 def test_a_live_process_holds_it_and_its_death_frees_it(tmp_path):
-    proc = _holder(tmp_path)
+    proc = hold_lock(tmp_path)
     try:
         with pytest.raises(LockedError, match=f"pid {proc.pid} on host {socket.gethostname()}"):
             RunLock(tmp_path).acquire()
@@ -96,7 +96,7 @@ def test_staleness_is_decided_by_the_record_where_flock_cannot(tmp_path, monkeyp
     holds it until its renewals stop for STALE_S."""
     if not flock:
         monkeypatch.setattr(run_lock, "_flock", lambda fd: None)
-    proc = _holder(tmp_path / "live")
+    proc = hold_lock(tmp_path / "live")
     try:
         with pytest.raises(LockedError, match=f"pid {proc.pid}"):
             RunLock(tmp_path / "live").acquire()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_run_lock import _holder
+from test_run_lock import hold_lock
 from test_train import child_env, train_command
 
 from longt5_jax import cli
@@ -115,7 +115,7 @@ def test_a_second_run_on_a_busy_model_dir_is_refused_and_a_rerun_resumes(tmp_pat
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, env):
-    holder = _holder(tmp_path / "run")  # takes the lock as a run does, then dies holding it
+    holder = hold_lock(tmp_path / "run")  # takes the lock as a run does, then dies holding it
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     proc = _run(train_command(tmp_path / "run", *STEPS, "--gin.RunConfig.train_steps=1"), env)
@@ -131,7 +131,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, env)
 
 def test_every_process_of_a_refused_multi_process_run_says_so(tmp_path, env):
     """Process 0 takes the lock for the run; the others learn its answer and stop with it."""
-    holder = _holder(tmp_path / "run")
+    holder = hold_lock(tmp_path / "run")
     try:
         proc = _run(
             [sys.executable, "-m", "longt5_jax.launch.local", "--num_processes=2",
