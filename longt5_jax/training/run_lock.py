@@ -115,6 +115,7 @@ class RunLock:
         self._fd: int | None = None
         self._made_dir = False
         self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     def acquire(self) -> str:
         """Take the lock, or raise LockedError naming its holder; returns a warning line when
@@ -136,7 +137,8 @@ class RunLock:
                 raise
             if warning is not None:
                 self._fd = fd
-                threading.Thread(target=self._heartbeat, daemon=True).start()
+                self._beat = threading.Thread(target=self._heartbeat, args=(fd,), daemon=True)
+                self._beat.start()
                 return warning
             os.close(fd)
         raise LockedError(f"{self.path}: changes hands too fast to be taken; try again")
@@ -144,15 +146,15 @@ class RunLock:
     def _take(self, fd: int, fresh: bool) -> str | None:
         """Record this process in the open lock file: the warning ('' or a takeover), or None
         when the file was removed under us (try again); LockedError for a live holder."""
-        flocked = _flock(fd)
+        flocked, st = _flock(fd), os.fstat(fd)
+        age = time.time() - st.st_mtime
         if flocked is False:
-            raise self._refusal(_read(fd), 0.0)
-        st = os.fstat(fd)
+            raise self._refusal(_read(fd), age)
         if self._recorded_inode() != st.st_ino:  # its holder removed it after our open
             return None
         warning = ""
         if not fresh:
-            holder, age = _read(fd), time.time() - st.st_mtime
+            holder = _read(fd)
             why = _stale(holder, age, flocked)
             if why is None:
                 raise self._refusal(holder, age)
@@ -191,11 +193,11 @@ class RunLock:
             "metrics; wait for it to end or choose another MODEL_DIR"
         )
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, fd: int) -> None:
         """Renew the record's mtime: what tells hosts without a shared flock that it lives."""
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):
-                os.utime(self._fd)
+                os.utime(fd)
 
     def release(self) -> None:
         """Remove the record (still holding the flock, so no taker reads it half gone) and the
@@ -203,6 +205,7 @@ class RunLock:
         if self._fd is None:
             return
         self._stop.set()
+        self._beat.join()  # before the descriptor closes: its number may be reused at once
         record = _read(self._fd) or {}
         if (record.get("host"), record.get("pid")) == (socket.gethostname(), os.getpid()):
             self.path.unlink(missing_ok=True)
