@@ -58,6 +58,74 @@ def new_file(text: str) -> Path:
     return path
 
 
+# What `train` writes at the top of a MODEL_DIR (training/: checkpoint, metrics, run_lock,
+# identity); no command's output may replace one of them or land inside one.
+RUN_FILES = (
+    "checkpoints",
+    "config.gin",
+    "metrics.jsonl",
+    "tensorboard",
+    "profile",
+    "train.lock",
+    "run.json",
+)
+_RUN_MARKS = ("checkpoints", "train.lock", "run.json")  # a directory holding one is a MODEL_DIR
+Named = tuple[str, "str | os.PathLike | None"]  # (what the user called it: '--input', a path)
+
+
+def _real(path: str | os.PathLike) -> Path:
+    """The path with `~`, `..` and every symlink resolved, absolute: two names of one file
+    compare equal."""
+    return Path(path).expanduser().resolve()
+
+
+def _same(a: Path, b: Path) -> bool:
+    """One file, also under two hard links."""
+    try:
+        return a == b or os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def _run_file(path: Path) -> tuple[Path, str] | None:
+    """(MODEL_DIR, the run's file) where `path` replaces or lies inside a training run's file."""
+    for parent in path.parents:
+        first = path.relative_to(parent).parts[0]
+        if first in RUN_FILES and any((parent / mark).exists() for mark in _RUN_MARKS):
+            return parent, first
+    return None
+
+
+def check_outputs(outputs: list[Named], inputs: list[Named], checkpoints: list[Named] = ()) -> None:
+    """Refuse, before any work, an output that is (or resolves to) one of the command's
+    `inputs`, is or lies inside one of the `checkpoints` it reads (a checkpoint's directory is
+    orbax's: a clean-up removes it whole, with whatever else was put in it), or would write
+    over a file of a training run (a MODEL_DIR's checkpoints, config, metrics, lock or
+    identity)."""
+    for out_name, out in outputs:
+        if out is None:
+            continue
+        target = _real(out)
+        for in_name, source in [*inputs, *checkpoints]:
+            if source is None:
+                continue
+            read = _real(source)
+            inside = (in_name, source) in checkpoints and read in target.parents
+            if _same(target, read) or inside:
+                raise UsageError(
+                    f"{out_name} {out} {'lies inside' if inside else 'is'} {in_name} {source}, "
+                    "which this command reads: an output never replaces an input; choose "
+                    "another path"
+                )
+        run = _run_file(target)
+        if run is not None:
+            how = "over" if target == run[0] / run[1] else "inside"
+            raise UsageError(
+                f"{out_name} {out} would write {how} {run[1]} of the training run in "
+                f"MODEL_DIR={run[0]}; choose a path outside it"
+            )
+
+
 def _raised_here(e: BaseException) -> bool:
     """Whether `e` was raised by this package's own code (its innermost frame is ours)."""
     frames = traceback.extract_tb(e.__traceback__)

@@ -45,6 +45,34 @@ def _configure(argv: list[str], step_dir: Path) -> dict:
     return cfg
 
 
+def _output_dir(args: argparse.Namespace, step_dir: Path) -> Path:
+    from longt5_jax.formats.native import step_of
+
+    return Path(args.output_dir or _model_dir(step_dir) / "eval" / f"step_{step_of(step_dir)}")
+
+
+def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: dict, step_dir: Path):
+    """Its two output files are none of what it reads: the checkpoint, gin files, tokenizer and
+    the split's data files."""
+    from longt5_jax import configuration
+    from longt5_jax.data.sources import expand
+
+    data, split = cfg["data"], args.split or cfg["eval"].split
+    files = [
+        p.strip() for p in (data.train_files if split == "train" else data.eval_files).split(",")
+    ]
+    files = expand([p for p in files if p]) if data.task == "files" and any(files) else []
+    inputs = [("--tokenizer", args.tokenizer or None)]
+    inputs += [("DataConfig.tokenizer", data.tokenizer or None)]
+    inputs += [("--gin_file", f) for f in configuration.split_gin_args(gin_args)[0]]
+    inputs += [(f"the {split} data file", f) for f in files]
+    out = _output_dir(args, step_dir)
+    outputs = [
+        ("the output", out / f"{split}_{name}") for name in ("predictions.jsonl", "metrics.json")
+    ]
+    cli.check_outputs(outputs, inputs, [("--checkpoint", step_dir)])
+
+
 def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
     """Loss and ROUGE of the checkpoint on the split; writes predictions and metrics."""
     import dataclasses
@@ -87,7 +115,7 @@ def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
         "seconds": time.perf_counter() - began,
     }
     if jax.process_index() == 0:
-        out = Path(args.output_dir or _model_dir(step_dir) / "eval" / f"step_{step}")
+        out = _output_dir(args, step_dir)
         write_atomic(
             out / f"{split}_predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records)
         )
@@ -110,6 +138,7 @@ def _main(argv: list[str]) -> int:
         raise cli.UsageError(f"--output_dir={args.output_dir}: a file, expected a directory")
     step_dir = resolve(args.checkpoint)
     cfg = _configure(rest, step_dir)
+    _check_outputs(args, rest, cfg, step_dir)
     cli.cpu_devices(cfg["run"].cpu_devices)
     metrics = evaluate(args, cfg, step_dir)
     shown = "  ".join(f"{k} {metrics[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"))

@@ -119,6 +119,11 @@ def predict(args: argparse.Namespace) -> int:
 
     cli.cpu_devices(args.cpu_devices)
     step_dir = resolve(args.checkpoint)
+    cli.check_outputs(
+        [("--output", args.output)],
+        [("--input", args.input), ("--tokenizer", args.tokenizer or None)],
+        [("--checkpoint", step_dir)],
+    )
     docs = read_documents(Path(args.input), args.input_field)
     tokenizer = load_tokenizer_for(step_dir, args.tokenizer)
     length = args.input_length or trained_input_length(saved_config(step_dir).get("gin", ""))

@@ -4,7 +4,7 @@ Multi-process: under `srun` it joins the SLURM step by itself; elsewhere give
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (see launch/README.md).
 
 Configure -> devices (fake CPU ones without an accelerator, processes joined) -> check the layout
-fits -> `training.loop.train`.
+fits -> hold MODEL_DIR (one run at a time) -> `training.loop.train`.
 """
 
 from __future__ import annotations
@@ -51,10 +51,12 @@ def _main(argv: list[str]) -> int:
         (model.num_encoder_layers, model.num_decoder_layers),
         cfg["step"].microbatches,
     )
+    from longt5_jax.training import run_lock
     from longt5_jax.training.loop import NonFiniteError, train
 
     try:
-        train(cfg)
+        with run_lock.held(model_dir):  # before anything in MODEL_DIR is written
+            train(cfg)
     except NonFiniteError as e:  # the run's own verdict, not bad input: exit 1, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ import pickle
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -250,6 +251,56 @@ def test_sources_pickle_and_read_after_unpickling(tmp_path: Path, ext: str) -> N
     copy = pickle.loads(pickle.dumps(source))
     assert _read_all(copy) == EXPECTED * 2
     assert repr(copy) == repr(source)
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 3)
+
+
+def _rewrite(path: Path) -> None:
+    time.sleep(0.05)  # past the file system's timestamp granularity, as any later rewrite is
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"summary", b"SUMMARY"))  # same size, other text
+
+
+def _replace(path: Path) -> None:
+    other = path.with_name("new.jsonl")
+    other.write_bytes(path.read_bytes())
+    other.replace(path)
+
+
+CHANGES = {
+    "truncated": (_truncate, r"changed during the run \(\d+ bytes, \d+ when indexed\)"),
+    "rewritten": (_rewrite, r"changed during the run \(rewritten in place\)"),
+    "replaced": (_replace, r"changed during the run \(another file replaced it\)"),
+    "removed": (Path.unlink, r"changed during the run \(it is gone\)"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("ext", [".jsonl", ".jsonl.gz"])
+def test_a_jsonl_file_changed_under_its_source_is_one_error_naming_it(tmp_path, change, ext):
+    """No memory map, so no SIGBUS: a file truncated, rewritten, replaced or removed after its
+    records were indexed is a DataError naming it, wherever the read happens."""
+    path = _write(tmp_path / f"data{ext}", RECORDS)
+    source = open_source(str(path))
+    if change in ("truncated", "rewritten"):
+        assert source[0] == EXPECTED[0]  # this process has the file open: it changes under it
+    plain = path if ext == ".jsonl" else Path(source._plain[0])  # what is read: the cache's copy
+    CHANGES[change][0](plain)
+    with pytest.raises(DataError, match=CHANGES[change][1]) as e:
+        _read_all(source)
+    assert str(e.value).startswith(str(path))
+
+
+def test_a_jsonl_file_removed_after_it_was_opened_is_still_read(tmp_path: Path) -> None:
+    """The open handle keeps the data the run indexed: nothing changed under the reader."""
+    path = _write(tmp_path / "data.jsonl", RECORDS)
+    source = open_source(str(path))
+    assert source[0] == EXPECTED[0]
+    path.unlink()
+    assert _read_all(source) == EXPECTED
 
 
 def _count_papers(split: str) -> int:

@@ -74,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--objective", default="summarization")
+    parser.add_argument(
+        "--train_files", default="", help="files to read (DataConfig.train_files); default: aclsum"
+    )
     parser.add_argument("--model", default="small", help="preset of the reference step")
     parser.add_argument("--step_repeats", type=int, default=3)
     parser.add_argument("--out_dir", default="bench_out")
     args = parser.parse_args(argv)
 
     base = DataConfig(
-        target_length=args.target_length, batch_size=args.batch_size, objective=args.objective
+        task="files" if args.train_files else "aclsum",
+        train_files=args.train_files,
+        target_length=args.target_length,
+        batch_size=args.batch_size,
+        objective=args.objective,
     )
     tokenizer = load_tokenizer(base)
     # Full remat, as long inputs are trained: without it a 16k step of 'small' needs ~27 GB.

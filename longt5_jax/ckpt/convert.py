@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 
+from longt5_jax import cli
 from longt5_jax.ckpt.commands import Arrays
 from longt5_jax.formats import hf, t5x
 from longt5_jax.formats.atomic import publishing
@@ -22,7 +23,11 @@ from longt5_jax.formats.native import CheckpointError, model_config, resolve
 from longt5_jax.model.config import LongT5Config
 
 
-def _fresh(out: str | Path) -> Path:
+def _fresh(out: str | Path, source: str | Path | None = None, checkpoint: bool = False) -> Path:
+    """OUT, absolute, checked to be new and none of what the conversion reads (`source`, a
+    native checkpoint where `checkpoint`)."""
+    read = [("SRC", source)]
+    cli.check_outputs([("OUT", out)], [] if checkpoint else read, read if checkpoint else [])
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: already exists; choose a new output path")
@@ -79,20 +84,20 @@ def native_params(step_dir: Path) -> dict:
 
 
 def hf_to_native(src: str | Path, out: str | Path) -> Path:
-    _fresh(out)  # before the work of reading the source
+    _fresh(out, src)  # before the work of reading the source
     config, params = hf.load(src)
     return write_native(out, config, params, source=f"transformers {Path(src).absolute()}")
 
 
 def t5x_to_native(src: str | Path, out: str | Path, **overrides: Any) -> Path:
-    _fresh(out)
+    _fresh(out, src)
     config, params = t5x.load(src, **overrides)
     return write_native(out, config, params, source=f"t5x {Path(src).absolute()}")
 
 
 def native_to_hf(ckpt: str | Path, out: str | Path) -> Path:
-    _fresh(out)
     step_dir = resolve(ckpt)
+    _fresh(out, step_dir, checkpoint=True)
     config, params = model_config(step_dir), native_params(step_dir)
     hf.name_table(config)  # fails early, before writing, for a tree transformers cannot hold
     return _into_place(_fresh(out), lambda tmp: hf.save(config, params, tmp))

@@ -24,7 +24,7 @@ from array_record.python import array_record_module
 from tqdm import tqdm
 
 from longt5_jax import cli
-from longt5_jax.data.sources import FORMATS, DataError, open_source
+from longt5_jax.data.sources import FORMATS, DataError, expand, open_source
 from longt5_jax.formats.atomic import publishing
 
 # Grain reads one record at a time; a group size of 1 makes each read decode only that record.
@@ -125,6 +125,12 @@ def _main(argv: Sequence[str]) -> int:
     fields = (args.input_field, args.target_field)
     # Checked before reading the input, which can take minutes to validate.
     check_no_shards(Path(args.output_dir), args.name, args.overwrite)
+    # A shard replaced while the source still reads it would mix old records and new; shards of
+    # another count (resharding in place) are removed only after every read.
+    cli.check_outputs(
+        [("the shard", p) for p in shard_paths(Path(args.output_dir), args.name, args.num_shards)],
+        [("--input", f) for f in expand(args.input)],
+    )
     source = open_source(args.input, *fields, args.skip_bad_records, args.format)
     paths = write_shards(
         source, args.output_dir, args.num_shards, args.name, fields, args.overwrite

@@ -14,7 +14,6 @@ import glob
 import itertools
 import json
 import logging
-import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -139,11 +138,23 @@ class _MultiFileSource:
         )
 
 
-def _scan_jsonl(plain: str, shown: str, fields: tuple[str, str], bad: _BadRecords) -> np.ndarray:
-    """Validates every line; returns the [start, end) byte span of each good one, shape [N, 2]."""
+Stamp = tuple[int, int, int]  # (inode, size, modification time in ns) of a file as scanned
+
+
+def _stamp(f: Any) -> Stamp:
+    st = os.fstat(f.fileno())
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _scan_jsonl(
+    plain: str, shown: str, fields: tuple[str, str], bad: _BadRecords
+) -> tuple[np.ndarray, Stamp]:
+    """Validates every line; returns the [start, end) byte span of each good one, shape [N, 2],
+    and the file's stamp, which every later read checks."""
     spans = array.array("q")  # compact while scanning millions of lines
     end = 0
     with open(plain, "rb") as f:
+        stamp = _stamp(f)
         for number, line in enumerate(f, start=1):
             start, end = end, end + len(line)
             if not line.strip():
@@ -154,7 +165,25 @@ def _scan_jsonl(plain: str, shown: str, fields: tuple[str, str], bad: _BadRecord
                 bad.report(f"{shown}:{number}", str(e))
             else:
                 spans.extend((start, end))
-    return np.frombuffer(spans, dtype=np.int64).reshape(-1, 2)
+        if _stamp(f) != stamp:
+            raise DataError(_changed(shown, stamp, _stamp(f), "while it was scanned"))
+    return np.frombuffer(spans, dtype=np.int64).reshape(-1, 2), stamp
+
+
+def _changed(shown: str, was: Stamp, now: Stamp | None, when: str) -> str:
+    """The one line for a data file that is no longer the one whose records were indexed."""
+    if now is None:
+        what = "it is gone"
+    elif now[0] != was[0]:
+        what = "another file replaced it"
+    elif now[1] != was[1]:
+        what = f"{now[1]:,} bytes, {was[1]:,} when indexed"
+    else:
+        what = "rewritten in place"
+    return (
+        f"{shown}: changed {when} ({what}); a data file must stay as it is while it is read: "
+        "restore it and rerun (a training run resumes from its last checkpoint)"
+    )
 
 
 class JsonlSource(_MultiFileSource):
@@ -169,21 +198,42 @@ class JsonlSource(_MultiFileSource):
     ):
         self._start(paths, input_field, target_field)
         bad = _BadRecords(skip_bad_records)
-        self._plain, self._spans = [], []
+        self._plain, self._spans, self._stamps = [], [], []
         for path in self._paths:
             _require_file(path)
             self._plain.append(plain_jsonl(path))
-            self._spans.append(_scan_jsonl(self._plain[-1], path, self._fields, bad))
+            spans, stamp = _scan_jsonl(self._plain[-1], path, self._fields, bad)
+            self._spans.append(spans)
+            self._stamps.append(stamp)
         self._ends = list(itertools.accumulate(len(s) for s in self._spans))
 
     def __getitem__(self, index: int) -> Example:
         file, local = self._locate(index)
+        f = self._file(file)
+        start, end = (int(x) for x in self._spans[file][local])
+        # pread, not a memory map: a mapped file that shrinks kills the reader with SIGBUS at
+        # the first page past its new end, with nothing said. pread takes no file position, so
+        # a handle a forked worker inherits stays correct. The stamp, checked after the read,
+        # catches a file truncated, rewritten or replaced since it was scanned.
+        raw = os.pread(f.fileno(), end - start, start)
+        now = _stamp(f)
+        if len(raw) != end - start or now != self._stamps[file]:
+            raise self._changed(file, now)
+        return _parse_record(raw, self._fields)
+
+    def _file(self, file: int) -> Any:
+        """This process's handle on a file, opened on first use, held while the source lives."""
         if file not in self._open:
-            # A read-only map needs no seek, so it stays correct if a forked worker inherits it.
-            with open(self._plain[file], "rb") as f:
-                self._open[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        start, end = self._spans[file][local]
-        return _parse_record(self._open[file][start:end], self._fields)
+            try:
+                self._open[file] = open(self._plain[file], "rb", buffering=0)  # noqa: SIM115
+            except FileNotFoundError:
+                raise self._changed(file, None) from None
+        return self._open[file]
+
+    def _changed(self, file: int, now: Stamp | None) -> DataError:
+        path, plain = self._paths[file], self._plain[file]
+        shown = path if plain == path else f"{path} (decompressed as {plain})"
+        return DataError(_changed(shown, self._stamps[file], now, "during the run"))
 
 
 def _read_parquet(path: str, fields: tuple[str, str]) -> pa.Table:
@@ -298,7 +348,7 @@ class ArrayRecordSource(_MultiFileSource):
             raise DataError(f"{where}: {e}") from None
 
 
-def _expand(paths: Paths) -> list[str]:
+def expand(paths: Paths) -> list[str]:
     """Expands each glob pattern (sorted), keeping the patterns' order."""
     files = []
     for pattern in _as_list(paths):
@@ -332,7 +382,7 @@ def open_source(
     format: str | None = None,
 ) -> JsonlSource | ParquetSource | ArrayRecordSource:
     """Opens files (glob patterns allowed) as one source, inferring the format from extensions."""
-    files = _expand(paths)
+    files = expand(paths)
     fmt = format or _infer_format(files)
     if fmt == "jsonl":
         source = JsonlSource(files, input_field, target_field, skip_bad_records)

@@ -13,23 +13,19 @@ def train(cfg: dict) -> dict:
     import jax
 
     from longt5_jax import configuration
-    from longt5_jax.data.pipeline import load_tokenizer, make_dataset
+    from longt5_jax.data.pipeline import make_dataset
     from longt5_jax.formats.native import resolve, restore_params
     from longt5_jax.infer.evaluation import PeriodicEval
     from longt5_jax.model import LongT5, count_params
     from longt5_jax.parallel.mesh import make_mesh
+    from longt5_jax.training import identity
     from longt5_jax.training.checkpoint import Checkpoints
     from longt5_jax.training.optim import make_optimizer
     from longt5_jax.training.step import ShardedStep
 
     run, model_cfg, data_cfg = cfg["run"], cfg["model"], cfg["data"]
     model_dir = Path(run.model_dir)
-    tokenizer = load_tokenizer(data_cfg)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise configuration.ConfigError(
-            f"LongT5Config.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-            f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
-        )
+    tokenizer, pinned = _tokenizer(cfg)
     # The data opens first: a bad file is reported before any state is built.
     batches = iter(make_dataset(data_cfg, tokenizer, "train"))
     mesh = make_mesh(cfg["mesh"])
@@ -56,6 +52,8 @@ def train(cfg: dict) -> dict:
         # Only now, with the state in hand: a run that cannot start leaves MODEL_DIR as it was.
         if jax.process_index() == 0:
             (model_dir / "config.gin").write_text(configuration.operative_config())
+            if not start or not identity.recorded(model_dir):
+                identity.record(model_dir, pinned)
             if note:
                 print(note, flush=True)
         writer = _metrics_writer(cfg, start)
@@ -66,6 +64,25 @@ def train(cfg: dict) -> dict:
             writer.close()
     finally:
         checkpoints.close()
+
+
+def _tokenizer(cfg: dict) -> tuple:
+    """The run's tokenizer, checked against the model, and the run's identity (tokenizer, model,
+    objective), checked against the run it resumes."""
+    from longt5_jax import configuration
+    from longt5_jax.data.pipeline import load_tokenizer
+    from longt5_jax.training import identity
+
+    model_cfg, data_cfg = cfg["model"], cfg["data"]
+    tokenizer = load_tokenizer(data_cfg)
+    pinned = identity.of(tokenizer.proto, str(tokenizer.path), model_cfg, data_cfg.objective)
+    identity.check(cfg["run"].model_dir, pinned)  # a resume is the run it resumes, or refused
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise configuration.ConfigError(
+            f"LongT5Config.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
+        )
+    return tokenizer, pinned
 
 
 def _metrics_writer(cfg: dict, start: int):
