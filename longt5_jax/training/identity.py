@@ -27,9 +27,11 @@ from longt5_jax.formats.native import (
 )
 
 IDENTITY_NAME = "run.json"  # one of cli.RUN_FILES: no command writes over it
-# Recomputes activations in the backward pass and changes no value: a resume may switch it (to
-# fit memory on other devices) and still be the same run.
-_FREE_FIELDS = ("remat",)
+# How the same values are computed, not which: remat recomputes activations in the backward
+# pass (a resume may switch it to fit memory on other devices), attention_kernel picks the XLA
+# path or the fused kernels (equal to float rounding). A resume may change them and still be the
+# same run.
+FREE_FIELDS = ("remat", "attention_kernel")
 
 
 class IdentityError(UsageError):
@@ -39,7 +41,7 @@ class IdentityError(UsageError):
 def of(tokenizer_proto: bytes, tokenizer_path: str, model, objective: str) -> dict:
     """The identity of a run with this tokenizer (its serialized model), LongT5Config and
     objective."""
-    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in _FREE_FIELDS}
+    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in FREE_FIELDS}
     return {
         "tokenizer_sha256": hashlib.sha256(tokenizer_proto).hexdigest(),
         "tokenizer": tokenizer_path,
@@ -116,6 +118,6 @@ def _differences(saved: dict, current: dict) -> list[str]:
     model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
     for field, value in model.items():
         now = current["model"].get(field, value)
-        if field not in _FREE_FIELDS and now != value:
+        if field not in FREE_FIELDS and now != value:
             out.append(f"LongT5Config.{field}={value!r} (now {now!r})")
     return out
