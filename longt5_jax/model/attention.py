@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from longt5_jax.model import attention_kernel as kernel
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import Dropout, Projection, Rows, normal
 
@@ -65,6 +66,11 @@ class Attention(nn.Module):
     ) -> jax.Array:
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
+        dropout = not self.deterministic and c.dropout_rate > 0
+        # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
+        if c.attention_kernel == "pallas" and not dropout and q_BTHK.shape[1] > 1:
+            out_BTHK = kernel.attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS)
+            return self.out(nn.with_logical_constraint(out_BTHK, HEADS))
         # Logits and softmax in float32 whatever the compute dtype.
         logits_BHTS = jnp.einsum(
             "bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32

@@ -48,9 +48,10 @@ class LongT5Config:
     # Parameters are always float32; this is the dtype of activations and matmul inputs.
     dtype: str = "float32"
     remat: str = "none"
-    # The encoder attention: "xla" (the reference, score tensors in memory) or "pallas" (fused
-    # kernels, `long_attention_kernel`: Triton on a GPU, interpreted on a CPU). Training with
-    # dropout runs the XLA path, whose masks follow the rows.
+    # Attention: "xla" (the reference, score tensors in memory) or "pallas" (fused kernels for
+    # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
+    # Triton on a GPU, interpreted on a CPU). Training with dropout and cached decoding run the
+    # XLA path.
     attention_kernel: str = "xla"
     pad_id: int = 0
     eos_id: int = 1

@@ -127,7 +127,6 @@ def backward(geo: tiles.Geometry, res, do):
     dq_kernel = functools.partial(_dq_kernel, geo)
     dq_shape = tiles.out(q.shape, q.dtype, q)
     dq = tiles.call(
-        geo,
         dq_kernel,
         "encoder_attention_dq",
         geo.flops(3, 3),
@@ -142,7 +141,6 @@ def backward(geo: tiles.Geometry, res, do):
         for c in range(3)
     ]
     dk, dv = tiles.call(
-        geo,
         functools.partial(_dkv_kernel, geo),
         "encoder_attention_dkv",
         geo.flops(4, 0),
@@ -154,7 +152,6 @@ def backward(geo: tiles.Geometry, res, do):
     )(k, v, seg, bias, *[q, do, lse, delta, seg] * 3)
 
     dbias = tiles.call(
-        geo,
         functools.partial(_dbias_kernel, geo),
         "encoder_attention_dbias",
         geo.flops(2, 0),
@@ -175,9 +172,7 @@ def _side_backward(geo: tiles.Geometry, q, do, lse, delta, seg, gq, side: tiles.
     present = gq_BNW >= 0
     gmin_BN = jnp.where(present.any(-1), jnp.min(jnp.where(present, gq_BNW, geo.g), -1), 0)
     chunk = pl.BlockSpec((None, geo.c, None, geo.head_dim), lambda b, h, j: (b, j, h, 0))
-    dk, dv, r = tiles.call(
-        geo,
-        functools.partial(_side_kernel, geo),
+    dk, dv, r = tiles.call(functools.partial(_side_kernel, geo),
         "encoder_attention_dside",
         geo.flops(0, 4) + 2 * geo.batch * geo.heads * geo.n * geo.u * geo.w * geo.gp,
         (geo.batch, geo.heads, geo.gp // geo.c),

@@ -25,13 +25,10 @@ custom call, and `plan.roofline` reads them from there.
 from __future__ import annotations
 
 import functools
-import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
 from longt5_jax.model import long_attention_grad as grad
 from longt5_jax.model import long_attention_tiles as tiles
@@ -81,7 +78,6 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq):
         specs, arrays = specs + side_specs, arrays + side_arrays
     b, length = seg.shape
     return tiles.call(
-        geo,
         functools.partial(_fwd_kernel, geo),
         "encoder_attention_fwd",
         geo.flops(2, 2),
@@ -138,60 +134,19 @@ def encoder_attention(
     side: Side | None,
     global_block_size: int,
 ) -> jax.Array:
-    """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows).
-
-    A custom call cannot be split by the compiler (GSPMD would gather every operand to every
-    device), so under a mesh the kernels run on each device's own rows and heads: a shard_map
-    over the mesh axes that the logical `batch` and `heads` map to under the rules in force,
-    as the model's own constraints are placed. No mesh is taken and no physical axis named.
-    """
+    """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows); under a
+    mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`)."""
     arrays = [q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX]
-    axes = [_ROWS, _ROWS, _ROWS, ("batch", None), ("heads", None, None)]
+    axes = [tiles.ROWS, tiles.ROWS, tiles.ROWS, ("batch", None), ("heads", None, None)]
     if side is not None:
         arrays += [side.k_BGHK, side.v_BGHK, side.bias_HD, side.block_ids, side.global_segment_ids]
-        axes += [_ROWS, _ROWS, ("heads", None), ("batch", None), ("batch", None)]
+        axes += [tiles.ROWS, tiles.ROWS, ("heads", None), ("batch", None), ("batch", None)]
 
     def attend(q, k, v, seg, bias, *side_arrays):
         local_side = Side(*side_arrays) if side_arrays else None
         return _attend(q, k, v, seg, bias, local_side, global_block_size)
 
-    return _on_own_rows_and_heads(attend, arrays, axes, _ROWS)
-
-
-_ROWS = ("batch", None, "heads", None)
-
-
-def _on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return fn(*arrays)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
-    # A logical axis is split only over free mesh axes that divide it (the initialiser's one row
-    # is not split at all).
-    lengths = {"batch": arrays[0].shape[0], "heads": arrays[0].shape[2]}
-    split = {}
-    for logical, length in lengths.items():
-        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
-            split[logical] = entry
-    if not split:
-        return fn(*arrays)
-
-    def spec(logical):
-        return P(*[split.get(name) for name in logical])
-
-    used = {n for e in split.values() for n in ((e,) if isinstance(e, str) else e)}
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=tuple(spec(a) for a in axes),
-        out_specs=spec(out_axes),
-        axis_names=used,
-        # Interpreted kernels (CPU) mix program ids, which vary over no axis, with the rows.
-        check_vma=False,
-    )(*arrays)
+    return tiles.on_own_rows_and_heads(attend, arrays, axes, tiles.ROWS)
 
 
 def _attend(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, side, global_block_size):

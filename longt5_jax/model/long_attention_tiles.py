@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 
 
 class Side(NamedTuple):
@@ -93,7 +96,7 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int) -> Geometry:
     return Geometry(b, h, k, w, -(-length // w), g, c, u)
 
 
-def call(geo: Geometry, kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
+def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
     """The kernel as Triton on a GPU and interpreted elsewhere (tests on CPU): both are traced,
     and lowering keeps the one for the platform compiled for (a deviceless GPU compile on a
     CPU host gets Triton)."""
@@ -228,3 +231,50 @@ def local_inputs(geo: Geometry, q, k, v, seg, bias):
 def side_inputs(geo: Geometry, side: Side, gq):
     specs = [whole(), whole(), row(geo), whole(), whole()]
     return specs, [side.k_BGHK, side.v_BGHK, gq, side.global_segment_ids, side.bias_HD]
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+ROWS = ("batch", None, "heads", None)
+
+
+def on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
+    """fn(*arrays) on each device's own rows and heads.
+
+    A custom call cannot be split by the compiler (GSPMD would gather every operand to every
+    device), so under a mesh the kernels run in a shard_map over the mesh axes that the logical
+    `batch` and `heads` map to under the rules in force, as the model's own constraints are
+    placed; `axes` names each array's logical axes (arrays[0] is [B, L, H, K]). No mesh is
+    taken and no physical axis named.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*arrays)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
+    # A logical axis is split only over free mesh axes that divide it (the initialiser's one row
+    # is not split at all).
+    lengths = {"batch": arrays[0].shape[0], "heads": arrays[0].shape[2]}
+    split = {}
+    for logical, length in lengths.items():
+        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
+            split[logical] = entry
+    if not split:
+        return fn(*arrays)
+
+    def spec(logical):
+        return P(*[split.get(name) for name in logical])
+
+    used = {n for e in split.values() for n in ((e,) if isinstance(e, str) else e)}
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(spec(a) for a in axes),
+        out_specs=spec(out_axes),
+        axis_names=used,
+        # Interpreted kernels (CPU) mix program ids, which vary over no axis, with the rows.
+        check_vma=False,
+    )(*arrays)

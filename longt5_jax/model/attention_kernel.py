@@ -1,0 +1,254 @@
+"""The decoder's attention (causal self-attention with its bias, cross-attention over the whole
+encoder output) fused into Pallas kernels (Triton backend); `attention.Attention` is the spec.
+
+Letter key as `attention`: B batch, T queries, S keys, H heads, K head dim; Q and C the query
+and key tiles (64 each, fewer for short inputs).
+
+Per program of the forward (grid B x H x T/Q), on chip: a [Q, K] query tile, one [C, K] key and
+value tile at a time, their [Q, C] mask (int8, [B, T or 1, S] in HBM) and bias tiles, one online
+softmax. HBM per program: q, all of k and v for its (b, h) (from L2 after the first query tile),
+the mask and bias tiles, the output and a [Q] log-sum-exp. The backward recomputes from that:
+dq by query tile, dk and dv by key tile, and the bias gradient ([H, T, S], one program per tile
+summing over the batch). No [B, H, T, S] tensor reaches HBM. Rows that see no key output 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from longt5_jax.model import long_attention_tiles as tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Static shapes of one call."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    tq: int  # query tile Q
+    tk: int  # key tile C
+    t: int  # queries, padded to whole tiles
+    s: int  # keys, padded to whole tiles
+    mask_rows: int  # T, or 1 for a mask shared by every query
+    bias: bool
+
+    def flops(self, matmuls: int) -> int:
+        return 2 * matmuls * self.batch * self.heads * self.t * self.s * self.head_dim
+
+
+def _query_tile(tl: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((None, tl.tq, None, tl.head_dim), lambda b, h, i: (b, i, h, 0))
+
+
+def _key_tile(tl: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((None, tl.tk, None, tl.head_dim), lambda b, h, j: (b, j, h, 0))
+
+
+def _stat(tl: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, tl.tq), lambda b, h, i: (b, h, i))
+
+
+def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
+    """[Q, C] scores (with the bias) and their validity."""
+    s = tiles.dot(q, k, trans_b=True)
+    if tl.bias:
+        s = s + bias_ref[h, rows, keys]
+    mask = mask_ref[b, rows if tl.mask_rows > 1 else pl.ds(0, 1), keys] != 0
+    return s, jnp.broadcast_to(mask, s.shape)
+
+
+def _fwd_kernel(tl: Tiles, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref, lse_ref):
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, q = pl.ds(i * tl.tq, tl.tq), q_ref[...]
+
+    def chunk(j, state):
+        keys = pl.ds(j * tl.tk, tl.tk)
+        s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
+        return tiles.online(state, s, valid, v_ref[b, keys, h, :])
+
+    state = (
+        jnp.full((tl.tq,), -jnp.inf, jnp.float32),
+        jnp.zeros((tl.tq,), jnp.float32),
+        jnp.zeros((tl.tq, tl.head_dim), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, state)
+    seen = l > 0
+    safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), 0.0)
+
+
+def _dq_kernel(tl: Tiles, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref, bias_ref,
+               dq_ref):  # fmt: skip
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, q, do = pl.ds(i * tl.tq, tl.tq), q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def chunk(j, dq):
+        keys = pl.ds(j * tl.tk, tl.tk)
+        k = k_ref[b, keys, h, :]
+        s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
+        p = tiles.probs(s, valid, lse)
+        ds = p * (tiles.dot(do, v_ref[b, keys, h, :], trans_b=True) - delta[:, None])
+        return dq + tiles.dot(ds.astype(k.dtype), k)
+
+    dq = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, jnp.zeros((tl.tq, tl.head_dim), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(tl: Tiles, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask_ref, bias_ref,
+                dk_ref, dv_ref):  # fmt: skip
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    keys, k, v = pl.ds(j * tl.tk, tl.tk), k_ref[...], v_ref[...]
+
+    def chunk(i, carry):
+        dk, dv = carry
+        rows = pl.ds(i * tl.tq, tl.tq)
+        q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
+        s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
+        p = tiles.probs(s, valid, lse_ref[b, h, rows])
+        dv += tiles.dot(p.astype(do.dtype).T, do)
+        ds = p * (tiles.dot(do, v, trans_b=True) - delta_ref[b, h, rows][:, None])
+        return dk + tiles.dot(ds.astype(q.dtype).T, q), dv
+
+    zeros = jnp.zeros((tl.tk, tl.head_dim), jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, tl.t // tl.tq, chunk, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dbias_kernel(tl: Tiles, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref, bias_ref,
+                  out_ref):  # fmt: skip
+    """The bias gradient of one [Q, C] tile, summed over the batch."""
+    h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, keys = pl.ds(i * tl.tq, tl.tq), pl.ds(j * tl.tk, tl.tk)
+
+    def one_row(b, acc):
+        q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
+        s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
+        p = tiles.probs(s, valid, lse_ref[b, h, rows])
+        dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
+        return acc + p * (dp - delta_ref[b, h, rows][:, None])
+
+    zeros = jnp.zeros((tl.tq, tl.tk), jnp.float32)
+    out_ref[...] = jax.lax.fori_loop(0, tl.batch, one_row, zeros)
+
+
+def _forward(tl: Tiles, q, k, v, mask, bias):
+    whole = tiles.whole()
+    return tiles.call(
+        functools.partial(_fwd_kernel, tl),
+        "decoder_attention_fwd",
+        tl.flops(2),
+        (tl.batch, tl.heads, tl.t // tl.tq),
+        [_query_tile(tl), whole, whole, whole, whole],
+        [_query_tile(tl), _stat(tl)],
+        [tiles.out(q.shape, q.dtype, q), tiles.out((tl.batch, tl.heads, tl.t), jnp.float32, q)],
+    )(q, k, v, mask, bias)
+
+
+def _backward(tl: Tiles, res, do):
+    q, k, v, mask, bias, o, lse = res
+    delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+    whole = tiles.whole()
+    dq = tiles.call(
+        functools.partial(_dq_kernel, tl),
+        "decoder_attention_dq",
+        tl.flops(3),
+        (tl.batch, tl.heads, tl.t // tl.tq),
+        [_query_tile(tl), _query_tile(tl), _stat(tl), _stat(tl)] + [whole] * 4,
+        _query_tile(tl),
+        tiles.out(q.shape, q.dtype, q),
+    )(q, do, lse, delta, k, v, mask, bias)
+    dk, dv = tiles.call(
+        functools.partial(_dkv_kernel, tl),
+        "decoder_attention_dkv",
+        tl.flops(4),
+        (tl.batch, tl.heads, tl.s // tl.tk),
+        [_key_tile(tl), _key_tile(tl)] + [whole] * 6,
+        [_key_tile(tl), _key_tile(tl)],
+        [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
+    )(k, v, q, do, lse, delta, mask, bias)
+    dbias = None
+    if tl.bias:
+        dbias = tiles.call(
+            functools.partial(_dbias_kernel, tl),
+            "decoder_attention_dbias",
+            tl.flops(2),
+            (tl.heads, tl.t // tl.tq, tl.s // tl.tk),
+            [whole] * 8,
+            pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
+            tiles.out(bias.shape, jnp.float32, q),
+        )(q, do, lse, delta, k, v, mask, bias)
+        dbias = tiles.reduce_like(dbias, bias)
+    return dq, dk, dv, dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(tl, q, k, v, mask, bias):
+    return _forward(tl, q, k, v, mask, bias)[0]
+
+
+def _attention_fwd(tl, q, k, v, mask, bias):
+    o, lse = _forward(tl, q, k, v, mask, bias)
+    return o, (q, k, v, mask, bias, o, lse)
+
+
+def _attention_bwd(tl, res, do):
+    dq, dk, dv, dbias = _backward(tl, res, do)
+    bias = res[4]
+    return dq, dk, dv, None, jnp.zeros_like(bias) if dbias is None else dbias
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad(x: jax.Array, sizes: dict[int, int]) -> jax.Array:
+    pad = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]
+    return jnp.pad(x, pad) if any(p for _, p in pad) else x
+
+
+def _tile_size(n: int) -> int:
+    return min(64, max(16, tiles.pow2(n)))
+
+
+def _attend(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS=None):
+    b, t, h, k = q_BTHK.shape
+    tq, tk = _tile_size(t), _tile_size(k_BSHK.shape[1])
+    tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
+    rows = mask_BTS.shape[1]
+    tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None)
+    q = _pad(q_BTHK, {1: tp})
+    keys, values = _pad(k_BSHK, {1: sp}), _pad(v_BSHK, {1: sp})
+    mask = _pad(mask_BTS.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
+    if bias_HTS is None:
+        bias = jnp.zeros((1, 1, 1), jnp.float32)
+    else:
+        bias = _pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
+    return _attention(tl, q, keys, values, mask, bias)[:, :t]
+
+
+def attention(
+    q_BTHK: jax.Array,
+    k_BSHK: jax.Array,
+    v_BSHK: jax.Array,
+    mask_BTS: jax.Array,
+    bias_HTS: jax.Array | None = None,
+) -> jax.Array:
+    """[B, T, H, K] softmax(q k + bias, masked) v, in q's dtype (0 for rows that see no key);
+    the mask may be shared by the batch ([1, T, S]) or by the queries ([B, 1, S]). Under a mesh,
+    on each device's own rows and heads (`tiles.on_own_rows_and_heads`)."""
+    b = q_BTHK.shape[0]
+    mask = jnp.broadcast_to(mask_BTS, (b, *mask_BTS.shape[1:]))
+    arrays = [q_BTHK, k_BSHK, v_BSHK, mask]
+    axes = [tiles.ROWS, tiles.ROWS, tiles.ROWS, ("batch", None, None)]
+    if bias_HTS is not None:
+        arrays.append(bias_HTS)
+        axes.append(("heads", None, None))
+    return tiles.on_own_rows_and_heads(_attend, arrays, axes, tiles.ROWS)
