@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:INPUT_LENGTH (tiny .. xxl)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--attention", default="tglobal")
+    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--batch_size", type=int, default=512, help="global batch")
     p.add_argument("--accumulation", type=int, default=4, help="gradient accumulation microbatches")
@@ -96,7 +97,9 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
     from longt5_jax.training.step import StepConfig
 
     tensor, pipe, zero = STRATEGIES[strategy]
-    config = LongT5Config.preset(model, args.attention, dtype=args.dtype, remat=args.remat)
+    kernel = args.attention_kernel
+    config = LongT5Config.preset(model, args.attention, dtype=args.dtype, remat=args.remat,
+                                 attention_kernel=kernel)  # fmt: skip
     micro = args.pipeline_microbatches if pipe > 1 else 0
     plan = MeshConfig(-1, tensor, pipe, zero, pipeline_microbatches=micro)
     if args.batch_size % args.accumulation:
@@ -106,9 +109,9 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
     check_fits(plan, len(devices), *sizes, layers, args.accumulation)
     start = time.perf_counter()
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
-    b, n, target = args.batch_size, cluster.devices, args.target_length
+    b, n = args.batch_size, cluster.devices
     step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
-    shape = (b, length, target)
+    shape = (b, length, args.target_length)
     compiled = compile_ahead.compile_for(
         config, plan, devices, args.gpus_per_node, shape, step, optimizer
     )

@@ -4,17 +4,16 @@ math shared by the forward and backward kernels. Letter key as `long_attention`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
-import math
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec as P
 
 
 class Side(NamedTuple):
@@ -235,46 +234,28 @@ def side_inputs(geo: Geometry, side: Side, gq):
 
 # -- placement ----------------------------------------------------------------------------------
 
-
+# [B, L, H, K] arrays: rows and heads are what a kernel call may be split along.
 ROWS = ("batch", None, "heads", None)
+# How a kernel call is placed on devices. A custom call cannot be split by the compiler (GSPMD
+# would gather every operand to every device), so the parallel layer installs a placement that
+# runs the kernels on each device's own rows and heads (`parallel.sharding.kernel_placement`,
+# entered with the activation rules); by default the call is made as is (one device).
+_PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("kernel_placement", default=None)
+
+
+@contextlib.contextmanager
+def placement(place):
+    """Place kernel calls with place(fn, arrays, logical axes of each, logical axes of the
+    output) while tracing inside this."""
+    token = _PLACEMENT.set(place)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
 
 
 def on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
-    """fn(*arrays) on each device's own rows and heads.
-
-    A custom call cannot be split by the compiler (GSPMD would gather every operand to every
-    device), so under a mesh the kernels run in a shard_map over the mesh axes that the logical
-    `batch` and `heads` map to under the rules in force, as the model's own constraints are
-    placed; `axes` names each array's logical axes (arrays[0] is [B, L, H, K]). No mesh is
-    taken and no physical axis named.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return fn(*arrays)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
-    # A logical axis is split only over free mesh axes that divide it (the initialiser's one row
-    # is not split at all).
-    lengths = {"batch": arrays[0].shape[0], "heads": arrays[0].shape[2]}
-    split = {}
-    for logical, length in lengths.items():
-        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
-            split[logical] = entry
-    if not split:
-        return fn(*arrays)
-
-    def spec(logical):
-        return P(*[split.get(name) for name in logical])
-
-    used = {n for e in split.values() for n in ((e,) if isinstance(e, str) else e)}
-    return jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=tuple(spec(a) for a in axes),
-        out_specs=spec(out_axes),
-        axis_names=used,
-        # Interpreted kernels (CPU) mix program ids, which vary over no axis, with the rows.
-        check_vma=False,
-    )(*arrays)
+    """fn(*arrays), placed by the placement in force; `axes` names each array's logical axes
+    (arrays[0] is [B, L, H, K])."""
+    place = _PLACEMENT.get()
+    return fn(*arrays) if place is None else place(fn, arrays, axes, out_axes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import Use, rules
 
@@ -19,6 +21,7 @@ def activation_context(mesh: Mesh, plan: MeshConfig) -> contextlib.ExitStack:
     trace of a sharded function happens inside this."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(tiles.placement(kernel_placement))
     stack.enter_context(
         nn.logical_axis_rules(
             rules(
@@ -85,3 +88,39 @@ def placed(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
     )
+
+
+def kernel_placement(fn, arrays: list, axes: list, out_axes) -> jax.Array:
+    """fn(*arrays) on each device's own rows and heads: a shard_map over the mesh axes that the
+    logical `batch` and `heads` map to under the rules in force, as the model's own constraints
+    are placed (the model's kernels call this through `tiles.on_own_rows_and_heads`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(*arrays)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
+    # A logical axis is split only over free mesh axes that divide it (the initialiser's one row
+    # is not split at all).
+    lengths = {"batch": arrays[0].shape[0], "heads": arrays[0].shape[2]}
+    split = {}
+    for logical, length in lengths.items():
+        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
+            split[logical] = entry
+    if not split:
+        return fn(*arrays)
+
+    def spec(logical):
+        return PartitionSpec(*[split.get(name) for name in logical])
+
+    used = {n for e in split.values() for n in ((e,) if isinstance(e, str) else e)}
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(spec(a) for a in axes),
+        out_specs=spec(out_axes),
+        axis_names=used,
+        # Interpreted kernels (CPU) mix program ids, which vary over no axis, with the rows.
+        check_vma=False,
+    )(*arrays)
