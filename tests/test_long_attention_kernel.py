@@ -11,6 +11,7 @@ import pytest
 import test_step
 
 from longt5_jax.bench import kernels
+from longt5_jax.cli import UsageError
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.transformer import LongT5
@@ -214,3 +215,12 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
     )
     assert len(errors) == (8 if self_attention else 7)  # output, q/k/v/o, x, source (, bias)
     assert max(errors.values()) <= TOLERANCE, errors
+
+
+def test_tensor_parallel_kernels_inside_accumulation_or_stages_are_refused_in_one_line():
+    plan = MeshConfig(2, 2, 1, 0)
+    with pytest.raises(UsageError, match="MeshConfig.tensor > 1 runs without accumulation"):
+        ShardedStep(
+            LongT5(GPU_CONFIG), StepConfig(microbatches=2), optax.sgd(0.1),
+            make_mesh(plan, jax.devices()[:4]), plan,
+        )  # fmt: skip

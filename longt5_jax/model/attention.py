@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from longt5_jax.model import attention_kernel as kernel
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import Dropout, Projection, Rows, normal
+from longt5_jax.model.layers import AttentionDropout, Projection, Rows, dropout_scale, normal
 
 HEADS = ("batch", "length", "heads", "kv")
 MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only match with it
@@ -48,7 +48,7 @@ class Attention(nn.Module):
 
     def setup(self):
         self.query, self.key, self.value, self.out = qkvo_projections(self.config)
-        self.dropout = Dropout(self.config.dropout_rate, self.deterministic)
+        self.dropout = AttentionDropout(self.config.dropout_rate, self.deterministic)
 
     def keys_values(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
         k = nn.with_logical_constraint(self.key(x_BSD), HEADS)
@@ -79,6 +79,14 @@ class Attention(nn.Module):
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
         probs = jax.nn.softmax(logits_BHTS, axis=-1)
-        probs = self.dropout(probs, rows).astype(c.compute_dtype)
+        seed = self.dropout(rows)
+        if seed is not None:
+            _, h, t, s = probs.shape
+            row, head = rows.ids[:, None, None, None], jnp.arange(h)[:, None, None]
+            scale = dropout_scale(
+                seed, row, head, jnp.arange(t)[:, None], jnp.arange(s), c.dropout_rate
+            )
+            probs = probs * scale
+        probs = probs.astype(c.compute_dtype)
         out_BTHK = nn.with_logical_constraint(jnp.einsum("bhts,bshk->bthk", probs, v_BSHK), HEADS)
         return self.out(out_BTHK)

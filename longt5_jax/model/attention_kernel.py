@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -153,8 +154,7 @@ def _forward(tl: Tiles, q, k, v, mask, bias):
     )(q, k, v, mask, bias)
 
 
-def _backward(tl: Tiles, res, do):
-    q, k, v, mask, bias, o, lse = res
+def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do):
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
     whole = tiles.whole()
     dq = tiles.call(
@@ -175,7 +175,6 @@ def _backward(tl: Tiles, res, do):
         [_key_tile(tl), _key_tile(tl)],
         [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
     )(k, v, q, do, lse, delta, mask, bias)
-    dbias = None
     if tl.bias:
         dbias = tiles.call(
             functools.partial(_dbias_kernel, tl),
@@ -186,24 +185,43 @@ def _backward(tl: Tiles, res, do):
             pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
             tiles.out(bias.shape, jnp.float32, q),
         )(q, do, lse, delta, k, v, mask, bias)
-        dbias = tiles.reduce_like(dbias, bias)
-    return dq, dk, dv, dbias
+        return dq, dk, dv, dbias
+    return dq, dk, dv
+
+
+_STAT = ("batch", "heads", None)
+
+
+def _placed(tl: Tiles, call, arrays: list, outs: tuple):
+    """call(tiles of each device's shard, *arrays) on each device's own rows and heads (the
+    forward and the backward are placed apart, so their residuals are ordinary arrays); the
+    bias' gradient lacks `batch` and is summed over the rows' devices."""
+    bias = ("heads", None, None) if tl.bias else (None, None, None)
+    axes = [tiles.ROWS] * 3 + [("batch", None, None), bias, tiles.ROWS, _STAT, tiles.ROWS]
+
+    def on_shard(*shards):
+        return call(dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2]),
+                    *shards)  # fmt: skip
+
+    outs = tuple(bias if o == "bias" else o for o in outs)
+    return tiles.on_own_rows_and_heads(on_shard, arrays, axes[: len(arrays)], outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(tl, q, k, v, mask, bias):
-    return _forward(tl, q, k, v, mask, bias)[0]
+    return _placed(tl, _forward, [q, k, v, mask, bias], (tiles.ROWS, _STAT))[0]
 
 
 def _attention_fwd(tl, q, k, v, mask, bias):
-    o, lse = _forward(tl, q, k, v, mask, bias)
+    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], (tiles.ROWS, _STAT))
     return o, (q, k, v, mask, bias, o, lse)
 
 
 def _attention_bwd(tl, res, do):
-    dq, dk, dv, dbias = _backward(tl, res, do)
+    outs = (tiles.ROWS,) * 3 + (("bias",) if tl.bias else ())
+    grads = _placed(tl, _backward, [*res, do], outs)
     bias = res[4]
-    return dq, dk, dv, None, jnp.zeros_like(bias) if dbias is None else dbias
+    return (*grads[:3], None, grads[3] if tl.bias else jnp.zeros_like(bias))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -244,11 +262,7 @@ def attention(
     """[B, T, H, K] softmax(q k + bias, masked) v, in q's dtype (0 for rows that see no key);
     the mask may be shared by the batch ([1, T, S]) or by the queries ([B, 1, S]). Under a mesh,
     on each device's own rows and heads (`tiles.on_own_rows_and_heads`)."""
-    b = q_BTHK.shape[0]
-    mask = jnp.broadcast_to(mask_BTS, (b, *mask_BTS.shape[1:]))
-    arrays = [q_BTHK, k_BSHK, v_BSHK, mask]
-    axes = [tiles.ROWS, tiles.ROWS, tiles.ROWS, ("batch", None, None)]
-    if bias_HTS is not None:
-        arrays.append(bias_HTS)
-        axes.append(("heads", None, None))
-    return tiles.on_own_rows_and_heads(_attend, arrays, axes, tiles.ROWS)
+    mask = jnp.broadcast_to(mask_BTS, (q_BTHK.shape[0], *mask_BTS.shape[1:]))
+    # A broadcast constant (the causal mask) is otherwise laid out whole on every device.
+    mask = nn.with_logical_constraint(mask, ("batch", None, None))
+    return _attend(q_BTHK, k_BSHK, v_BSHK, mask, bias_HTS)

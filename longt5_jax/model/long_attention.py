@@ -24,7 +24,7 @@ from longt5_jax.model import long_attention_kernel as kernel
 from longt5_jax.model import relpos
 from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import Dropout, RMSNorm, Rows
+from longt5_jax.model.layers import SIDE_KEYS, AttentionDropout, RMSNorm, Rows, dropout_scale
 
 
 def heads_major(x_BLHK: jax.Array) -> jax.Array:
@@ -125,7 +125,7 @@ class LongSelfAttention(nn.Module):
         self.query, self.key, self.value, self.out = qkvo_projections(c)
         if c.attention == "transient-global":
             self.global_input_layer_norm = RMSNorm(c.layer_norm_eps, c.compute_dtype)
-        self.dropout = Dropout(c.dropout_rate, self.deterministic)
+        self.dropout = AttentionDropout(c.dropout_rate, self.deterministic)
 
     def __call__(
         self,
@@ -203,12 +203,27 @@ class LongSelfAttention(nn.Module):
             logits.append(side_BHNWG)
             values.append(("bhnwg,bhgk->bhnwk", side_v_BHGK))
 
-        out_BHNWK = self._attend(logits, values, rows)
+        out_BHNWK = self._attend(logits, values, self._dropout_scales(logits, rows))
         b, h, n = out_BHNWK.shape[:3]
         return out_BHNWK.reshape(b, h, n * w, c.d_kv)[:, :, :length].transpose(0, 2, 1, 3)
 
+    def _dropout_scales(self, logits: list[jax.Array], rows: Rows | None) -> list:
+        """Attention dropout's scale of each local and side score ([B, H, N, W, 3W] and
+        [B, H, N, W, G]), or Nones: `attention_keep` of (row, head, query, key) positions."""
+        seed = self.dropout(rows)
+        if seed is None:
+            return [None] * len(logits)
+        b, h, n, w = logits[0].shape[:4]
+        row, head = rows.ids[:, None, None, None, None], jnp.arange(h)[:, None, None, None]
+        query = (jnp.arange(n)[:, None] * w + jnp.arange(w))[:, :, None]
+        keys = [(jnp.arange(n)[:, None] * w + jnp.arange(3 * w) - w)[:, None, :]]
+        if len(logits) > 1:
+            keys.append(SIDE_KEYS + jnp.arange(logits[1].shape[-1]))
+        rate = self.config.dropout_rate
+        return [dropout_scale(seed, row, head, query, key, rate) for key in keys]
+
     def _attend(
-        self, logits: list[jax.Array], values: list[tuple[str, jax.Array]], rows: Rows | None
+        self, logits: list[jax.Array], values: list[tuple[str, jax.Array]], scales: list
     ) -> jax.Array:
         """One softmax over local and side keys without concatenating them, normalised after
         the value matmuls: dividing the [.., W, K] output is 6-10x less memory traffic than
@@ -217,8 +232,8 @@ class LongSelfAttention(nn.Module):
         exps = [jnp.exp(s - peak[..., None]) for s in logits]
         total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
         out_BHNWK = 0.0
-        for e, (spec, v) in zip(exps, values, strict=True):
-            e = self.dropout(e, rows).astype(self.config.compute_dtype)
+        for e, scale, (spec, v) in zip(exps, scales, values, strict=True):
+            e = (e if scale is None else e * scale).astype(self.config.compute_dtype)
             out_BHNWK = out_BHNWK + jnp.einsum(spec, e, v, preferred_element_type=jnp.float32)
         return (out_BHNWK / total).astype(self.config.compute_dtype)
 

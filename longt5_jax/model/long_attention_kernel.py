@@ -24,6 +24,7 @@ custom call, and `plan.roofline` reads them from there.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -94,24 +95,71 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq):
 # -- the differentiable function ----------------------------------------------------------------
 
 
+# The kernels run on each device's own rows and heads (`tiles.on_own_rows_and_heads`): the
+# forward and the backward are placed, each a call of its own, so that the residuals between
+# them are ordinary arrays. Logical axes of every array a call takes or gives:
+_SIDE = [tiles.ROWS, tiles.ROWS, ("heads", None), None, ("batch", None)]  # Side's fields
+_STAT = ("batch", "heads", None)  # the log-sum-exp [B, H, L]
+
+
+def _flat(side: Side | None) -> list:
+    return [] if side is None else [x for x in side if x is not None]
+
+
+def _side_axes(side: Side | None) -> list:
+    return [] if side is None else [a for a, x in zip(_SIDE, side, strict=True) if x is not None]
+
+
+def _unflat(side_arrays) -> Side | None:
+    return (
+        Side(side_arrays[0], side_arrays[1], side_arrays[2], None, side_arrays[3])
+        if side_arrays
+        else None
+    )
+
+
+def _placed_forward(geo, q, k, v, seg, bias, side, gq):
+    def forward(q, k, v, seg, bias, *rest):
+        local = dataclasses.replace(geo, batch=q.shape[0], heads=q.shape[2])
+        side_arrays, gq = (rest[:-1], rest[-1]) if rest else ((), None)
+        return _forward(local, q, k, v, seg, bias, _unflat(side_arrays), gq)
+
+    arrays = [q, k, v, seg, bias, *_flat(side)] + ([gq] if side is not None else [])
+    axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), *_side_axes(side)]
+    axes += [("batch", None)] if side is not None else []
+    return tiles.on_own_rows_and_heads(forward, arrays, axes, (tiles.ROWS, _STAT))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(geo, q, k, v, seg, bias, side, gq):
-    return _forward(geo, q, k, v, seg, bias, side, gq)[0]
+    return _placed_forward(geo, q, k, v, seg, bias, side, gq)[0]
 
 
 def _attention_fwd(geo, q, k, v, seg, bias, side, gq):
-    o, lse = _forward(geo, q, k, v, seg, bias, side, gq)
+    o, lse = _placed_forward(geo, q, k, v, seg, bias, side, gq)
     return o, (q, k, v, seg, bias, side, gq, o, lse)
 
 
 def _attention_bwd(geo, res, do):
-    dq, dk, dv, dbias, (dsk, dsv, dsb) = grad.backward(geo, res, do)
-    side = res[5]
-    dbias = tiles.reduce_like(dbias, res[4])
-    d_side = (
-        None if side is None else Side(dsk, dsv, tiles.reduce_like(dsb, side.bias_HD), None, None)
-    )
-    return dq, dk, dv, None, dbias, d_side, None
+    q, k, v, seg, bias, side, gq, o, lse = res
+
+    def backward(q, k, v, seg, bias, o, lse, do, *rest):
+        local = dataclasses.replace(geo, batch=q.shape[0], heads=q.shape[2])
+        side_arrays, gq = (rest[:-1], rest[-1]) if rest else ((), None)
+        local_res = (q, k, v, seg, bias, _unflat(side_arrays), gq, o, lse)
+        dq, dk, dv, dbias, d_side = grad.backward(local, local_res, do)
+        return (dq, dk, dv, dbias) + (d_side if side_arrays else ())
+
+    arrays = [q, k, v, seg, bias, o, lse, do, *_flat(side)] + ([gq] if side is not None else [])
+    axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), tiles.ROWS, _STAT]
+    axes += [tiles.ROWS, *_side_axes(side)] + ([("batch", None)] if side is not None else [])
+    # The bias tables' gradients lack `batch`: the placement sums them over the rows' devices.
+    outs = (tiles.ROWS, tiles.ROWS, tiles.ROWS, ("heads", None, None))
+    if side is not None:
+        outs += (tiles.ROWS, tiles.ROWS, ("heads", None))
+    grads = tiles.on_own_rows_and_heads(backward, arrays, axes, outs)
+    d_side = None if side is None else Side(*grads[4:], None, None)
+    return grads[0], grads[1], grads[2], None, grads[3], d_side, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -136,20 +184,6 @@ def encoder_attention(
 ) -> jax.Array:
     """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows); under a
     mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`)."""
-    arrays = [q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX]
-    axes = [tiles.ROWS, tiles.ROWS, tiles.ROWS, ("batch", None), ("heads", None, None)]
-    if side is not None:
-        arrays += [side.k_BGHK, side.v_BGHK, side.bias_HD, side.block_ids, side.global_segment_ids]
-        axes += [tiles.ROWS, tiles.ROWS, ("heads", None), ("batch", None), ("batch", None)]
-
-    def attend(q, k, v, seg, bias, *side_arrays):
-        local_side = Side(*side_arrays) if side_arrays else None
-        return _attend(q, k, v, seg, bias, local_side, global_block_size)
-
-    return tiles.on_own_rows_and_heads(attend, arrays, axes, tiles.ROWS)
-
-
-def _attend(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, side, global_block_size):
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
     geo = tiles.geometry(q_BLHK, w, g, global_block_size)

@@ -68,20 +68,6 @@ _MANUAL = next(
 )
 
 
-def varying(x: jax.Array) -> frozenset:
-    """The manual mesh axes x varies over (inside a shard_map)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def reduce_like(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
-    """A cotangent summed over the axes its primal is the same on (a bias table shared by the
-    rows of every data shard gets the sum of their gradients)."""
-    extra = varying(cotangent) - varying(primal)
-    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
-
-
 def pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 

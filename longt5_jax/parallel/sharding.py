@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from longt5_jax.cli import UsageError
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import Use, rules
@@ -21,7 +23,8 @@ def activation_context(mesh: Mesh, plan: MeshConfig) -> contextlib.ExitStack:
     trace of a sharded function happens inside this."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
-    stack.enter_context(tiles.placement(kernel_placement))
+    interpreted = mesh.devices.flat[0].platform == "cpu"
+    stack.enter_context(tiles.placement(functools.partial(kernel_placement, interpreted)))
     stack.enter_context(
         nn.logical_axis_rules(
             rules(
@@ -90,37 +93,65 @@ def placed(shapes: Any, shardings: Any) -> Any:
     )
 
 
-def kernel_placement(fn, arrays: list, axes: list, out_axes) -> jax.Array:
+def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) -> Any:
     """fn(*arrays) on each device's own rows and heads: a shard_map over the mesh axes that the
     logical `batch` and `heads` map to under the rules in force, as the model's own constraints
-    are placed (the model's kernels call this through `tiles.on_own_rows_and_heads`)."""
+    are placed (the model's kernels call this through `tiles.on_own_rows_and_heads`). An
+    output whose logical axes lack `batch` (a shared table's gradient) is summed over the rows'
+    devices. `out_axes`: one output's logical axes, or a tuple of them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return fn(*arrays)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
-    # A logical axis is split only over free mesh axes that divide it (the initialiser's one row
-    # is not split at all).
-    lengths = {"batch": arrays[0].shape[0], "heads": arrays[0].shape[2]}
-    split = {}
-    for logical, length in lengths.items():
-        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
-            split[logical] = entry
+    if interpreted and mesh.manual_axes:
+        # jax's Pallas interpreter evaluates the kernel's jaxpr, which carries no manual axes,
+        # on values that vary over them, and fails; compiled (GPU) kernels are typed properly.
+        raise UsageError(
+            "LongT5Config.attention_kernel='pallas' on CPU (interpreted kernels) runs on plain "
+            "data x tensor meshes only, not inside a pipeline stage or an accumulation loop; "
+            "use 'xla' there"
+        )
+    split = _kernel_split(mesh, arrays[0].shape) if not mesh.empty else {}
     if not split:
         return fn(*arrays)
 
     def spec(logical):
-        return PartitionSpec(*[split.get(name) for name in logical])
+        return None if logical is None else PartitionSpec(*[split.get(n) for n in logical])
 
-    used = {n for e in split.values() for n in ((e,) if isinstance(e, str) else e)}
+    several = isinstance(out_axes[0], tuple)
+    outs = out_axes if several else (out_axes,)
+    rows = split.get("batch")
+    rows = () if rows is None else ((rows,) if isinstance(rows, str) else tuple(rows))
+
+    def on_shard(*shards):
+        got = fn(*shards)
+        got = got if several else (got,)
+        summed = [
+            g if "batch" in a or not rows else jax.lax.psum(g, rows)
+            for g, a in zip(got, outs, strict=True)
+        ]
+        return tuple(summed) if several else summed[0]
+
+    # Manual over every axis the call may take, split or not: an axis left free inside would
+    # share a dimension's sharding with manual ones (which Shardy refuses for remat residuals).
+    auto = {name for name in mesh.axis_names if name not in mesh.manual_axes}
     return jax.shard_map(
-        fn,
+        on_shard,
         mesh=mesh,
         in_specs=tuple(spec(a) for a in axes),
-        out_specs=spec(out_axes),
-        axis_names=used,
-        # Interpreted kernels (CPU) mix program ids, which vary over no axis, with the rows.
-        check_vma=False,
+        out_specs=tuple(spec(a) for a in outs) if several else spec(out_axes),
+        axis_names=auto,
+        # Interpreted (CPU) kernels cannot be typed by manual axes (above); compiled ones are.
+        check_vma=not interpreted,
     )(*arrays)
+
+
+def _kernel_split(mesh, rows_shape: tuple[int, ...]) -> dict[str, Any]:
+    """The mesh axes each of `batch` and `heads` of a [B, L, H, K] array split over: free axes
+    of the mesh that divide it (the initialiser's one row is not split at all)."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    free = {name for name, size in sizes.items() if size > 1 and name not in mesh.manual_axes}
+    split = {}
+    for logical, length in (("batch", rows_shape[0]), ("heads", rows_shape[2])):
+        (entry,) = nn.logical_to_mesh_axes((logical,)) or (None,)
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if names and set(names) <= free and length % math.prod(sizes[n] for n in names) == 0:
+            split[logical] = entry
+    return split

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from longt5_jax.cli import UsageError
 from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
@@ -193,6 +194,15 @@ class ShardedStep:
     plan: MeshConfig
 
     def __post_init__(self):
+        nested = self.step_cfg.microbatches > 1 or self.plan.pipeline > 1
+        if self.model.config.attention_kernel == "pallas" and self.plan.tensor > 1 and nested:
+            # Inside the accumulation loop's or a stage's region, the kernels' own region over
+            # `tensor` does not lower (Shardy refuses its operands' layouts); tensor x data and
+            # accumulation or stages without tensor work.
+            raise UsageError(
+                "LongT5Config.attention_kernel='pallas' with MeshConfig.tensor > 1 runs without "
+                "accumulation microbatches or pipeline stages for now; use 'xla' there"
+            )
         boxed = abstract_params(self.model)
         zero = self.plan.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
