@@ -9,11 +9,14 @@ import numpy as np
 import optax
 import pytest
 import test_step
+from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
 from longt5_jax.cli import UsageError
-from longt5_jax.model import LongT5Config
+from longt5_jax.model import LongT5Config, relpos
 from longt5_jax.model.attention import Attention
+from longt5_jax.model.layers import Rows
+from longt5_jax.model.long_attention import LongSelfAttention, relative_positions_3block
 from longt5_jax.model.transformer import LongT5
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 from longt5_jax.plan import compile_ahead, hlo, targets
@@ -51,17 +54,20 @@ def test_fused_attention_matches_the_xla_path(case):
     assert max(errors.values()) <= TOLERANCE, errors
 
 
-def test_the_model_trains_the_same_with_the_kernels():
-    """Loss and every parameter's gradient of a whole (tiny, TGlobal, padded) model."""
-    xla = LongT5Config.preset("tiny")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_the_model_trains_the_same_with_the_kernels(dropout):
+    """Loss and every parameter's gradient of a whole (tiny, TGlobal, padded) model, with and
+    without dropout (the kernels drop the attention probabilities the XLA path drops)."""
+    xla = LongT5Config.preset("tiny", dropout_rate=dropout)
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(2, xla.vocab_size, (2, 27)), jnp.int32)
     mask = jnp.asarray(np.arange(27)[None] < np.array([[27], [19]]), jnp.int32)
     targets = jnp.asarray(rng.integers(2, xla.vocab_size, (2, 6)), jnp.int32)
     params = LongT5(xla).init(jax.random.key(0), ids, mask, targets)["params"]
+    train = dict(deterministic=False, rngs={"dropout": jax.random.key(3)}) if dropout else {}
 
     def loss(params, config):
-        logits = LongT5(config).apply({"params": params}, ids, mask, targets)
+        logits = LongT5(config).apply({"params": params}, ids, mask, targets, **train)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
@@ -70,6 +76,8 @@ def test_the_model_trains_the_same_with_the_kernels():
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert float(jnp.max(jnp.abs(g - w))) <= TOLERANCE * float(jnp.max(jnp.abs(w)))
+    if dropout:  # it did drop out
+        assert abs(float(want_loss) - float(grad(params, LongT5Config.preset("tiny"))[0])) > 1e-3
 
 
 GPU_CONFIG = LongT5Config.preset(
@@ -79,20 +87,23 @@ KERNELS = {f"encoder_attention_{k}" for k in ("fwd", "dq", "dkv", "dbias", "dsid
 KERNELS |= {f"decoder_attention_{k}" for k in ("fwd", "dq", "dkv", "dbias")}
 
 
-def _triton_kernels(compiled) -> set[str]:
-    text = compiled.executable.as_text()
+def _triton_kernels(text: str) -> set[str]:
     return {k for k in KERNELS if f'name = "{k}.flops_' in text}
 
 
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-@pytest.mark.parametrize("target", ["h100-80gb", "a100-80gb"])
-def test_the_kernels_compile_for_gpus_inside_the_train_step(target):
-    """Triton lowering and XLA's GPU compile of the single-device step, deviceless."""
+@pytest.mark.parametrize("target, dropout", [("h100-80gb", 0.0), ("a100-80gb", 0.1)])
+def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
+    """Triton lowering and XLA's GPU compile of the single-device step, deviceless (with
+    dropout: a step given a key, the hash inside every kernel)."""
     devices = targets.devices(targets.load(target), 1, 1)
-    compiled = compile_ahead.compile_for(
-        GPU_CONFIG, MeshConfig(1, 1, 1, 0), devices, 1, (2, 128, 16)
-    )
-    assert _triton_kernels(compiled) == KERNELS
+    config = dataclasses.replace(GPU_CONFIG, dropout_rate=dropout)
+    step = compile_ahead.sharded_step(config, MeshConfig(1, 1, 1, 0), devices=devices, per_node=1)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct((), key.dtype, sharding=NamedSharding(step.mesh, PartitionSpec()))
+    batch = compile_ahead.abstract_batch(step, 2, 128, 16)
+    compiled = step.lower(step.abstract_state, batch, rng if dropout else None).compile()
+    assert _triton_kernels(compiled.as_text()) == KERNELS
 
 
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
@@ -112,7 +123,7 @@ def test_the_kernels_compile_in_pipeline_stages_and_move_no_more_bytes():
         )  # fmt: skip
         for kernel in ("xla", "pallas")
     }
-    assert _triton_kernels(steps["pallas"]) == KERNELS
+    assert _triton_kernels(steps["pallas"].executable.as_text()) == KERNELS
     moved = {k: hlo.bytes_by_kind(s.collectives) for k, s in steps.items()}
     assert moved["pallas"] == moved["xla"]
 
@@ -133,7 +144,7 @@ def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes()
         )  # fmt: skip
         for kernel in ("xla", "pallas")
     }
-    assert _triton_kernels(steps["pallas"]) == KERNELS
+    assert _triton_kernels(steps["pallas"].executable.as_text()) == KERNELS
     moved = {k: hlo.bytes_by(s.collectives, s.placement)["axes"] for k, s in steps.items()}
     assert moved["pallas"] == moved["xla"]
 
@@ -224,3 +235,40 @@ def test_tensor_parallel_kernels_inside_accumulation_or_stages_are_refused_in_on
             LongT5(GPU_CONFIG), StepConfig(microbatches=2), optax.sgd(0.1),
             make_mesh(plan, jax.devices()[:4]), plan,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["tglobal_packed", "local"])
+def test_fused_attention_drops_out_what_the_xla_path_drops(case):
+    """With attention dropout both paths draw `layers.attention_keep`'s masks from the layer's
+    seed and the global row, head, query and key: outputs and gradients agree."""
+    attention, radius, k, batch, length, heads, packed = CASES[case]
+    xla = LongT5Config.preset(
+        "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads,
+        dropout_rate=0.3,
+    )  # fmt: skip
+    params, inputs, cotangent = kernels.layer_problem(xla, batch, length, packed)
+    rows = Rows(jnp.asarray([5, 2, 7][:batch], jnp.int32), jnp.asarray(3))
+
+    def run(config):
+        def loss(params, x, local_table, side_table):
+            buckets = relpos.relative_position_bucket(
+                relative_positions_3block(config.block_len), True, 8, 16
+            )
+            out = LongSelfAttention(config, False).apply(
+                {"params": params}, x, inputs["seg"], relpos.lookup(local_table, buckets),
+                inputs["blocks"], side_table, rows, rngs={"dropout": jax.random.key(4)},
+            )  # fmt: skip
+            return jnp.sum(out * cotangent), out
+
+        args = (params, inputs["x"], inputs["local_table"], inputs["side_table"])
+        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(*args)
+        return out, grads
+
+    want = run(xla)
+    errors = kernels.relative_errors(
+        run(dataclasses.replace(xla, attention_kernel="pallas")), want, inputs["seg"][..., None] > 0
+    )
+    assert max(errors.values()) <= TOLERANCE, errors
+    # Dropout did drop: the output differs from the deterministic layer's.
+    plain = kernels.run_layer(xla, params, inputs, cotangent)[0]
+    assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1

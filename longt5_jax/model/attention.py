@@ -66,10 +66,11 @@ class Attention(nn.Module):
     ) -> jax.Array:
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
-        dropout = not self.deterministic and c.dropout_rate > 0
+        seed = self.dropout(rows)
         # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
-        if c.attention_kernel == "pallas" and not dropout and q_BTHK.shape[1] > 1:
-            out_BTHK = kernel.attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS)
+        if c.attention_kernel == "pallas" and q_BTHK.shape[1] > 1:
+            dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
+            out_BTHK = kernel.attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS, dropout)
             return self.out(nn.with_logical_constraint(out_BTHK, HEADS))
         # Logits and softmax in float32 whatever the compute dtype.
         logits_BHTS = jnp.einsum(
@@ -79,7 +80,6 @@ class Attention(nn.Module):
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
         probs = jax.nn.softmax(logits_BHTS, axis=-1)
-        seed = self.dropout(rows)
         if seed is not None:
             _, h, t, s = probs.shape
             row, head = rows.ids[:, None, None, None], jnp.arange(h)[:, None, None]

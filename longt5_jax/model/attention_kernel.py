@@ -38,6 +38,7 @@ class Tiles:
     s: int  # keys, padded to whole tiles
     mask_rows: int  # T, or 1 for a mask shared by every query
     bias: bool
+    rate: float = 0.0  # attention dropout (the kernels then take `tiles.Drop`'s arrays last)
 
     def flops(self, matmuls: int) -> int:
         return 2 * matmuls * self.batch * self.heads * self.t * self.s * self.head_dim
@@ -64,14 +65,31 @@ def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
     return s, jnp.broadcast_to(mask, s.shape)
 
 
-def _fwd_kernel(tl: Tiles, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref, lse_ref):
+def _scale(tl: Tiles, drop, b, h, i, j):
+    """Dropout's [Q, C] scale of query tile i x key tile j (token positions), or None."""
+    queries, keys = i * tl.tq + jnp.arange(tl.tq), j * tl.tk + jnp.arange(tl.tk)
+    return tiles.drop_scale(tl.rate, drop, b, h, queries, keys)
+
+
+def _kernel(tl: Tiles, body, inputs: int):
+    """body(tl, dropout refs, *refs) as a kernel: the dropout's arrays follow the inputs."""
+
+    def kernel(*refs):
+        drop = refs[inputs : inputs + 3] if tl.rate else ()
+        return body(tl, drop, *refs[:inputs], *refs[inputs + len(drop) :])
+
+    return kernel
+
+
+def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref, lse_ref):
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, q = pl.ds(i * tl.tq, tl.tq), q_ref[...]
 
     def chunk(j, state):
         keys = pl.ds(j * tl.tk, tl.tk)
         s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
-        return tiles.online(state, s, valid, v_ref[b, keys, h, :])
+        scale = _scale(tl, drop, b, h, i, j)
+        return tiles.online(state, s, valid, v_ref[b, keys, h, :], scale)
 
     state = (
         jnp.full((tl.tq,), -jnp.inf, jnp.float32),
@@ -85,8 +103,8 @@ def _fwd_kernel(tl: Tiles, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref, lse_r
     lse_ref[...] = jnp.where(seen, m + jnp.log(safe), 0.0)
 
 
-def _dq_kernel(tl: Tiles, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref, bias_ref,
-               dq_ref):  # fmt: skip
+def _dq_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref,
+               bias_ref, dq_ref):  # fmt: skip
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, q, do = pl.ds(i * tl.tq, tl.tq), q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -96,15 +114,16 @@ def _dq_kernel(tl: Tiles, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_
         k = k_ref[b, keys, h, :]
         s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
         p = tiles.probs(s, valid, lse)
-        ds = p * (tiles.dot(do, v_ref[b, keys, h, :], trans_b=True) - delta[:, None])
+        dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
+        ds = tiles.dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
         return dq + tiles.dot(ds.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, jnp.zeros((tl.tq, tl.head_dim), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(tl: Tiles, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask_ref, bias_ref,
-                dk_ref, dv_ref):  # fmt: skip
+def _dkv_kernel(tl: Tiles, drop, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask_ref,
+                bias_ref, dk_ref, dv_ref):  # fmt: skip
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     keys, k, v = pl.ds(j * tl.tk, tl.tk), k_ref[...], v_ref[...]
 
@@ -114,8 +133,9 @@ def _dkv_kernel(tl: Tiles, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
         s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
         p = tiles.probs(s, valid, lse_ref[b, h, rows])
-        dv += tiles.dot(p.astype(do.dtype).T, do)
-        ds = p * (tiles.dot(do, v, trans_b=True) - delta_ref[b, h, rows][:, None])
+        scale = _scale(tl, drop, b, h, i, j)
+        dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
         return dk + tiles.dot(ds.astype(q.dtype).T, q), dv
 
     zeros = jnp.zeros((tl.tk, tl.head_dim), jnp.float32)
@@ -124,8 +144,8 @@ def _dkv_kernel(tl: Tiles, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dbias_kernel(tl: Tiles, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref, bias_ref,
-                  out_ref):  # fmt: skip
+def _dbias_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref,
+                  bias_ref, out_ref):  # fmt: skip
     """The bias gradient of one [Q, C] tile, summed over the batch."""
     h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, keys = pl.ds(i * tl.tq, tl.tq), pl.ds(j * tl.tk, tl.tk)
@@ -135,93 +155,97 @@ def _dbias_kernel(tl: Tiles, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, ma
         s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
         p = tiles.probs(s, valid, lse_ref[b, h, rows])
         dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
-        return acc + p * (dp - delta_ref[b, h, rows][:, None])
+        scale = _scale(tl, drop, b, h, i, j)
+        return acc + tiles.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
     zeros = jnp.zeros((tl.tq, tl.tk), jnp.float32)
     out_ref[...] = jax.lax.fori_loop(0, tl.batch, one_row, zeros)
 
 
-def _forward(tl: Tiles, q, k, v, mask, bias):
+def _forward(tl: Tiles, q, k, v, mask, bias, *drop):
     whole = tiles.whole()
     return tiles.call(
-        functools.partial(_fwd_kernel, tl),
+        _kernel(tl, _fwd_kernel, 5),
         "decoder_attention_fwd",
         tl.flops(2),
         (tl.batch, tl.heads, tl.t // tl.tq),
-        [_query_tile(tl), whole, whole, whole, whole],
+        [_query_tile(tl)] + [whole] * (4 + len(drop)),
         [_query_tile(tl), _stat(tl)],
         [tiles.out(q.shape, q.dtype, q), tiles.out((tl.batch, tl.heads, tl.t), jnp.float32, q)],
-    )(q, k, v, mask, bias)
+    )(q, k, v, mask, bias, *drop)
 
 
-def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do):
+def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do, *drop):
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    whole = tiles.whole()
+    whole, extra = tiles.whole(), [tiles.whole()] * len(drop)
     dq = tiles.call(
-        functools.partial(_dq_kernel, tl),
+        _kernel(tl, _dq_kernel, 8),
         "decoder_attention_dq",
         tl.flops(3),
         (tl.batch, tl.heads, tl.t // tl.tq),
-        [_query_tile(tl), _query_tile(tl), _stat(tl), _stat(tl)] + [whole] * 4,
+        [_query_tile(tl), _query_tile(tl), _stat(tl), _stat(tl)] + [whole] * 4 + extra,
         _query_tile(tl),
         tiles.out(q.shape, q.dtype, q),
-    )(q, do, lse, delta, k, v, mask, bias)
+    )(q, do, lse, delta, k, v, mask, bias, *drop)
     dk, dv = tiles.call(
-        functools.partial(_dkv_kernel, tl),
+        _kernel(tl, _dkv_kernel, 8),
         "decoder_attention_dkv",
         tl.flops(4),
         (tl.batch, tl.heads, tl.s // tl.tk),
-        [_key_tile(tl), _key_tile(tl)] + [whole] * 6,
+        [_key_tile(tl), _key_tile(tl)] + [whole] * 6 + extra,
         [_key_tile(tl), _key_tile(tl)],
         [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
-    )(k, v, q, do, lse, delta, mask, bias)
-    if tl.bias:
-        dbias = tiles.call(
-            functools.partial(_dbias_kernel, tl),
-            "decoder_attention_dbias",
-            tl.flops(2),
-            (tl.heads, tl.t // tl.tq, tl.s // tl.tk),
-            [whole] * 8,
-            pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
-            tiles.out(bias.shape, jnp.float32, q),
-        )(q, do, lse, delta, k, v, mask, bias)
-        return dq, dk, dv, dbias
-    return dq, dk, dv
+    )(k, v, q, do, lse, delta, mask, bias, *drop)
+    if not tl.bias:
+        return dq, dk, dv
+    dbias = tiles.call(
+        _kernel(tl, _dbias_kernel, 8),
+        "decoder_attention_dbias",
+        tl.flops(2),
+        (tl.heads, tl.t // tl.tq, tl.s // tl.tk),
+        [whole] * 8 + extra,
+        pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
+        tiles.out(bias.shape, jnp.float32, q),
+    )(q, do, lse, delta, k, v, mask, bias, *drop)
+    return dq, dk, dv, dbias
 
 
 _STAT = ("batch", "heads", None)
 
 
-def _placed(tl: Tiles, call, arrays: list, outs: tuple):
-    """call(tiles of each device's shard, *arrays) on each device's own rows and heads (the
-    forward and the backward are placed apart, so their residuals are ordinary arrays); the
-    bias' gradient lacks `batch` and is summed over the rows' devices."""
+def _placed(tl: Tiles, call, arrays: list, drop, outs: tuple):
+    """call(tiles of each device's shard, *arrays, *drop) on each device's own rows and heads
+    (the forward and the backward are placed apart, so their residuals are ordinary arrays);
+    the bias' gradient lacks `batch` and is summed over the rows' devices."""
     bias = ("heads", None, None) if tl.bias else (None, None, None)
     axes = [tiles.ROWS] * 3 + [("batch", None, None), bias, tiles.ROWS, _STAT, tiles.ROWS]
+    axes = axes[: len(arrays)] + (tiles.DROP_AXES if drop is not None else [])
 
     def on_shard(*shards):
         return call(dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2]),
                     *shards)  # fmt: skip
 
     outs = tuple(bias if o == "bias" else o for o in outs)
-    return tiles.on_own_rows_and_heads(on_shard, arrays, axes[: len(arrays)], outs)
+    arrays = arrays + ([] if drop is None else list(drop))
+    return tiles.on_own_rows_and_heads(on_shard, arrays, axes, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(tl, q, k, v, mask, bias):
-    return _placed(tl, _forward, [q, k, v, mask, bias], (tiles.ROWS, _STAT))[0]
+def _attention(tl, q, k, v, mask, bias, drop):
+    return _placed(tl, _forward, [q, k, v, mask, bias], drop, (tiles.ROWS, _STAT))[0]
 
 
-def _attention_fwd(tl, q, k, v, mask, bias):
-    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], (tiles.ROWS, _STAT))
-    return o, (q, k, v, mask, bias, o, lse)
+def _attention_fwd(tl, q, k, v, mask, bias, drop):
+    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (tiles.ROWS, _STAT))
+    return o, (q, k, v, mask, bias, o, lse, drop)
 
 
 def _attention_bwd(tl, res, do):
     outs = (tiles.ROWS,) * 3 + (("bias",) if tl.bias else ())
-    grads = _placed(tl, _backward, [*res, do], outs)
+    *arrays, drop = res
+    grads = _placed(tl, _backward, [*arrays, do], drop, outs)
     bias = res[4]
-    return (*grads[:3], None, grads[3] if tl.bias else jnp.zeros_like(bias))
+    return (*grads[:3], None, grads[3] if tl.bias else jnp.zeros_like(bias), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -236,33 +260,38 @@ def _tile_size(n: int) -> int:
     return min(64, max(16, tiles.pow2(n)))
 
 
-def _attend(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS=None):
-    b, t, h, k = q_BTHK.shape
-    tq, tk = _tile_size(t), _tile_size(k_BSHK.shape[1])
-    tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
-    rows = mask_BTS.shape[1]
-    tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None)
-    q = _pad(q_BTHK, {1: tp})
-    keys, values = _pad(k_BSHK, {1: sp}), _pad(v_BSHK, {1: sp})
-    mask = _pad(mask_BTS.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
-    if bias_HTS is None:
-        bias = jnp.zeros((1, 1, 1), jnp.float32)
-    else:
-        bias = _pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
-    return _attention(tl, q, keys, values, mask, bias)[:, :t]
-
-
 def attention(
     q_BTHK: jax.Array,
     k_BSHK: jax.Array,
     v_BSHK: jax.Array,
     mask_BTS: jax.Array,
     bias_HTS: jax.Array | None = None,
+    dropout: tuple[jax.Array, jax.Array, float] | None = None,
 ) -> jax.Array:
     """[B, T, H, K] softmax(q k + bias, masked) v, in q's dtype (0 for rows that see no key);
     the mask may be shared by the batch ([1, T, S]) or by the queries ([B, 1, S]). Under a mesh,
-    on each device's own rows and heads (`tiles.on_own_rows_and_heads`)."""
-    mask = jnp.broadcast_to(mask_BTS, (q_BTHK.shape[0], *mask_BTS.shape[1:]))
+    on each device's own rows and heads (`tiles.on_own_rows_and_heads`). `dropout`: (the
+    layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
+    b, t, h, k = q_BTHK.shape
+    mask = jnp.broadcast_to(mask_BTS, (b, *mask_BTS.shape[1:]))
     # A broadcast constant (the causal mask) is otherwise laid out whole on every device.
     mask = nn.with_logical_constraint(mask, ("batch", None, None))
-    return _attend(q_BTHK, k_BSHK, v_BSHK, mask, bias_HTS)
+    tq, tk = _tile_size(t), _tile_size(k_BSHK.shape[1])
+    tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
+    rows, rate = mask.shape[1], dropout[2] if dropout else 0.0
+    tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None, rate)
+    q = _pad(q_BTHK, {1: tp})
+    keys, values = _pad(k_BSHK, {1: sp}), _pad(v_BSHK, {1: sp})
+    mask = _pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
+    if bias_HTS is None:
+        bias = jnp.zeros((1, 1, 1), jnp.float32)
+    else:
+        bias = _pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
+    drop = None
+    if rate:
+        seed, row_ids, _ = dropout
+        heads = jnp.arange(h, dtype=jnp.int32)
+        drop = tiles.Drop(
+            jnp.reshape(seed, (1,)).astype(jnp.int32), row_ids.astype(jnp.int32), heads
+        )
+    return _attention(tl, q, keys, values, mask, bias, drop)[:, :t]

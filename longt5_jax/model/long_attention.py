@@ -146,19 +146,22 @@ class LongSelfAttention(nn.Module):
             agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
             g_BGD = self.global_input_layer_norm(agg_BGD)
             side = (self.key(g_BGD), self.value(g_BGD))
-        dropout = not self.deterministic and c.dropout_rate > 0
-        if c.attention_kernel == "pallas" and not dropout:
+        if c.attention_kernel == "pallas":
             out_BLHK = self._fused(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
-                                   side, side_table_HR)  # fmt: skip
+                                   side, side_table_HR, rows)  # fmt: skip
         else:
             out_BLHK = self._blocked(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
                                      side, side_table_HR, rows)  # fmt: skip
         out_BLHK = nn.with_logical_constraint(out_BLHK, HEADS)
         return self.out(out_BLHK)
 
-    def _fused(self, q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks, side, table_HR):
+    def _fused(
+        self, q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks, side, table_HR, rows
+    ):
         """The Pallas kernels (`long_attention_kernel`): no score tensor in memory."""
         c = self.config
+        seed = self.dropout(rows)
+        dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
         fused_side = None
         if side is not None and side[0].shape[1]:
             by_distance_HD = relpos.by_distance(
@@ -168,7 +171,14 @@ class LongSelfAttention(nn.Module):
                 *side, by_distance_HD, blocks.block_ids, blocks.global_segment_ids
             )
         return kernel.encoder_attention(
-            q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, fused_side, c.global_block_size
+            q_BLHK,
+            k_BLHK,
+            v_BLHK,
+            segment_ids,
+            local_bias_HWX,
+            fused_side,
+            c.global_block_size,
+            dropout,
         )
 
     def _blocked(

@@ -15,28 +15,31 @@ from longt5_jax.model.relpos import sum_by_distance
 
 
 def _dq_kernel(geo: tiles.Geometry, *refs):
-    q_ref, k_refs, v_refs = refs[0], refs[1:4], refs[4:7]
-    sq_ref, sk_refs, bias_ref = refs[7], refs[8:11], refs[11]
-    do_ref, lse_ref, delta_ref = refs[12:15]
-    side_refs, dq_ref = refs[15:-1], refs[-1]
+    dq_ref, (own, side_refs, drop_refs) = refs[-1], tiles.split_refs(geo, refs[:-1], 15)
+    q_ref, k_refs, v_refs = own[0], own[1:4], own[4:7]
+    sq_ref, sk_refs, bias_ref = own[7], own[8:11], own[11]
+    do_ref, lse_ref, delta_ref = own[12:15]
     b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, seg_q, do = q_ref[...], sq_ref[...], do_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    lse, delta, rows = lse_ref[...], delta_ref[...], tiles.query_ids(geo, n)
 
-    def grad(s, valid, k, v):
+    def grad(keys, s, valid, k, v):
+        scale = tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
         p = tiles.probs(s, valid, lse)
-        ds = p * (tiles.dot(do, v, trans_b=True) - delta[:, None])
+        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta, scale)
         return tiles.dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
     for c in range(3):
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-        dq += grad(*tiles.local_chunk(geo, q, n, c, seg_q, *block_refs))
+        keys = tiles.local_key_ids(geo, n, c)
+        dq += grad(keys, *tiles.local_chunk(geo, q, n, c, seg_q, *block_refs))
     if geo.g:
         gq = side_refs[2][...]
 
         def chunk(j, dq):
-            return dq + grad(*tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs))
+            scores = tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs)
+            return dq + grad(tiles.side_key_ids(geo, j), *scores)
 
         dq = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, dq)
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -44,10 +47,10 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
 
 def _dkv_kernel(geo: tiles.Geometry, *refs):
     """Local dk, dv of key block m: it is chunk c of query block m + 1 - c."""
-    k_ref, v_ref, sk_ref, bias_ref = refs[:4]
-    per_query = [refs[4 + 5 * c : 9 + 5 * c] for c in range(3)]
-    dk_ref, dv_ref = refs[-2:]
-    m = pl.program_id(2)
+    (dk_ref, dv_ref), (own, _, drop_refs) = refs[-2:], tiles.split_refs(geo, refs[:-2], 19)
+    k_ref, v_ref, sk_ref, bias_ref = own[:4]
+    per_query = [own[4 + 5 * c : 9 + 5 * c] for c in range(3)]
+    b, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v, seg_k = k_ref[...], v_ref[...], sk_ref[...]
     dk = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
     dv = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
@@ -56,16 +59,19 @@ def _dkv_kernel(geo: tiles.Geometry, *refs):
         valid = tiles.local_valid(geo, m + 1 - c, c, sq_ref[...], seg_k)
         s = tiles.dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
         p = tiles.probs(s, valid, lse_ref[...])
-        dv += tiles.dot(p.astype(do.dtype).T, do)
-        ds = p * (tiles.dot(do, v, trans_b=True) - delta_ref[...][:, None])
+        queries, keys = tiles.query_ids(geo, m + 1 - c), tiles.local_key_ids(geo, m + 1 - c, c)
+        scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
+        dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[...], scale)
         dk += tiles.dot(ds.astype(q.dtype).T, q)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dbias_kernel(geo: tiles.Geometry, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref,
-                  bias_ref, out_ref):  # fmt: skip
+def _dbias_kernel(geo: tiles.Geometry, *refs):
     """Local bias gradient of query block n, summed over the batch: [W, 3W] per (h, n)."""
+    out_ref, (own, _, drop_refs) = refs[-1], tiles.split_refs(geo, refs[:-1], 8)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, bias_ref = own
     h, n = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(n * geo.w, geo.w)
     for c in range(3):
@@ -79,16 +85,20 @@ def _dbias_kernel(geo: tiles.Geometry, q_ref, k_ref, v_ref, do_ref, lse_ref, del
                 tiles.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias, valid, lse_ref[b, h, rows]
             )
             dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
-            return acc + p * (dp - delta_ref[b, h, rows][:, None])
+            queries, key_ids = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c)
+            scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
+            return acc + tiles.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
         zeros = jnp.zeros((geo.w, geo.w), jnp.float32)
         out_ref[:, c * geo.w : (c + 1) * geo.w] = jax.lax.fori_loop(0, geo.batch, one_row, zeros)
 
 
-def _side_kernel(geo: tiles.Geometry, q_ref, do_ref, lse_ref, delta_ref, seg_ref, gq_ref, gmin_ref,
-                 sk_ref, sv_ref, gseg_ref, sbias_ref, dk_ref, dv_ref, r_ref):  # fmt: skip
+def _side_kernel(geo: tiles.Geometry, *refs):
     """Side dk, dv of chunk j over every query block, and each block's side bias gradient
     summed over the tokens of each global block ([U, C] per block)."""
+    (dk_ref, dv_ref, r_ref), (own, _, drop_refs) = refs[-3:], tiles.split_refs(geo, refs[:-3], 11)
+    q_ref, do_ref, lse_ref, delta_ref, seg_ref, gq_ref, gmin_ref = own[:7]
+    sk_ref, sv_ref, gseg_ref, sbias_ref = own[7:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = sk_ref[...], sv_ref[...]
 
@@ -99,8 +109,10 @@ def _side_kernel(geo: tiles.Geometry, q_ref, do_ref, lse_ref, delta_ref, seg_ref
         gq = gq_ref[b, rows]
         bias, valid = tiles.side_terms(geo, h, j, seg_ref[b, rows], gq, gseg_ref, sbias_ref, b)
         p = tiles.probs(tiles.dot(q, k, trans_b=True) + bias, valid, lse_ref[b, h, rows])
-        dv += tiles.dot(p.astype(do.dtype).T, do)
-        ds = p * (tiles.dot(do, v, trans_b=True) - delta_ref[b, h, rows][:, None])
+        queries, keys = tiles.query_ids(geo, n), tiles.side_key_ids(geo, j)
+        scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
+        dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
         dk += tiles.dot(ds.astype(q.dtype).T, q)
         u = jnp.where(gq < 0, 0, gq - gmin_ref[b, n] + 1)
         onehot = (u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.float32)
@@ -115,7 +127,7 @@ def _side_kernel(geo: tiles.Geometry, q_ref, do_ref, lse_ref, delta_ref, seg_ref
 
 
 def backward(geo: tiles.Geometry, res, do):
-    q, k, v, seg, bias, side, gq, o, lse = res
+    q, k, v, seg, bias, side, gq, o, lse, drop = res
     delta = jnp.einsum("blhk,blhk->bhl", do.astype(jnp.float32), o.astype(jnp.float32))
     specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
     specs += [tiles.tile(geo), tiles.stat(geo), tiles.stat(geo)]
@@ -123,6 +135,7 @@ def backward(geo: tiles.Geometry, res, do):
     if geo.g:
         side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
         specs, arrays = specs + side_specs, arrays + side_arrays
+    specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
     grid = (geo.batch, geo.heads, geo.n)
     dq_kernel = functools.partial(_dq_kernel, geo)
     dq_shape = tiles.out(q.shape, q.dtype, q)
@@ -140,51 +153,61 @@ def backward(geo: tiles.Geometry, res, do):
         [tiles.tile(geo, 1 - c)] * 2 + [tiles.stat(geo, 1 - c)] * 2 + [tiles.row(geo, 1 - c)]
         for c in range(3)
     ]
+    specs = [tiles.tile(geo), tiles.tile(geo), tiles.row(geo), tiles.bias_spec(geo)]
+    specs, arrays = tiles.with_drop(
+        geo, specs + sum(per_query, []), [k, v, seg, bias, *[q, do, lse, delta, seg] * 3], drop
+    )
     dk, dv = tiles.call(
         functools.partial(_dkv_kernel, geo),
         "encoder_attention_dkv",
         geo.flops(4, 0),
         grid,
-        [tiles.tile(geo), tiles.tile(geo), tiles.row(geo), tiles.bias_spec(geo)]
-        + sum(per_query, []),
+        specs,
         [tiles.tile(geo), tiles.tile(geo)],
         [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
-    )(k, v, seg, bias, *[q, do, lse, delta, seg] * 3)
+    )(*arrays)
 
+    specs = [tiles.whole()] * 7 + [pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))]
+    specs, arrays = tiles.with_drop(geo, specs, [q, k, v, do, lse, delta, seg, bias], drop)
     dbias = tiles.call(
         functools.partial(_dbias_kernel, geo),
         "encoder_attention_dbias",
         geo.flops(2, 0),
         (geo.heads, geo.n),
-        [tiles.whole()] * 7 + [pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))],
+        specs,
         pl.BlockSpec((None, None, geo.w, 3 * geo.w), lambda h, n: (h, n, 0, 0)),
         tiles.out((geo.heads, geo.n, geo.w, 3 * geo.w), jnp.float32, q),
-    )(q, k, v, do, lse, delta, seg, bias).sum(1)
+    )(*arrays).sum(1)
     d_side = (None,) * 3
     if geo.g:
-        d_side = _side_backward(geo, q, do, lse, delta, seg, gq, side)
+        d_side = _side_backward(geo, q, do, lse, delta, seg, gq, side, drop)
     return dq, dk, dv, dbias, d_side
 
 
-def _side_backward(geo: tiles.Geometry, q, do, lse, delta, seg, gq, side: tiles.Side):
+def _side_backward(geo: tiles.Geometry, q, do, lse, delta, seg, gq, side: tiles.Side, drop):
     """Side dk, dv and the side bias gradient by distance."""
     gq_BNW = gq.reshape(geo.batch, geo.n, geo.w)
     present = gq_BNW >= 0
     gmin_BN = jnp.where(present.any(-1), jnp.min(jnp.where(present, gq_BNW, geo.g), -1), 0)
     chunk = pl.BlockSpec((None, geo.c, None, geo.head_dim), lambda b, h, j: (b, j, h, 0))
-    dk, dv, r = tiles.call(functools.partial(_side_kernel, geo),
+    specs = [tiles.whole()] * 7 + [chunk, chunk, tiles.whole(), tiles.whole()]
+    arrays = [q, do, lse, delta, seg, gq, gmin_BN.astype(jnp.int32), side.k_BGHK, side.v_BGHK]
+    specs, arrays = tiles.with_drop(
+        geo, specs, arrays + [side.global_segment_ids, side.bias_HD], drop
+    )
+    dk, dv, r = tiles.call(
+        functools.partial(_side_kernel, geo),
         "encoder_attention_dside",
         geo.flops(0, 4) + 2 * geo.batch * geo.heads * geo.n * geo.u * geo.w * geo.gp,
         (geo.batch, geo.heads, geo.gp // geo.c),
-        [tiles.whole()] * 7 + [chunk, chunk, tiles.whole(), tiles.whole()],
+        specs,
         [chunk, chunk, tiles.whole()],
         [
             tiles.out(side.k_BGHK.shape, side.k_BGHK.dtype, q),
             tiles.out(side.v_BGHK.shape, side.v_BGHK.dtype, q),
             tiles.out((geo.batch, geo.heads, geo.n, geo.u, geo.gp), jnp.float32, q),
         ],
-    )(q, do, lse, delta, seg, gq, gmin_BN.astype(jnp.int32), side.k_BGHK, side.v_BGHK,
-      side.global_segment_ids, side.bias_HD)  # fmt: skip
+    )(*arrays)
     # Row u of block n holds the tokens of global block gmin + u - 1 (row 0: of none), whose
     # bias to side key g is bias_HD[g - block - 1 + G]: `shifted_rows` with shift = block + 1.
     shift_BNU = jnp.where(jnp.arange(geo.u) == 0, 0, gmin_BN[..., None] + jnp.arange(geo.u))

@@ -42,10 +42,11 @@ __all__ = ["Side", "encoder_attention"]
 
 
 def _fwd_kernel(geo: tiles.Geometry, *refs):
-    q_ref, k_refs, v_refs = refs[0], refs[1:4], refs[4:7]
-    sq_ref, sk_refs, bias_ref = refs[7], refs[8:11], refs[11]
-    side_refs, (o_ref, lse_ref) = refs[12:-2], refs[-2:]
+    (o_ref, lse_ref), (own, side_refs, drop_refs) = refs[-2:], tiles.split_refs(geo, refs[:-2], 12)
+    q_ref, k_refs, v_refs = own[0], own[1:4], own[4:7]
+    sq_ref, sk_refs, bias_ref = own[7], own[8:11], own[11]
     b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = tiles.query_ids(geo, n)
     q, seg_q = q_ref[...], sq_ref[...]
     state = (
         jnp.full((geo.w,), -jnp.inf, jnp.float32),
@@ -55,13 +56,19 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
     for c in range(3):
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
         s, valid, _, v = tiles.local_chunk(geo, q, n, c, seg_q, *block_refs)
-        state = tiles.online(state, s, valid, v)
+        keys = tiles.local_key_ids(geo, n, c)
+        state = tiles.online(
+            state, s, valid, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+        )
     if geo.g:
         gq = side_refs[2][...]
 
         def chunk(j, state):
             s, valid, _, v = tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs)
-            return tiles.online(state, s, valid, v)
+            keys = tiles.side_key_ids(geo, j)
+            return tiles.online(
+                state, s, valid, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+            )
 
         state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
     m, l, acc = state
@@ -72,11 +79,12 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
 
 
-def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq):
+def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, drop):
     specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
     if geo.g:
         side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
         specs, arrays = specs + side_specs, arrays + side_arrays
+    specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
     b, length = seg.shape
     return tiles.call(
         functools.partial(_fwd_kernel, geo),
@@ -110,56 +118,75 @@ def _side_axes(side: Side | None) -> list:
     return [] if side is None else [a for a, x in zip(_SIDE, side, strict=True) if x is not None]
 
 
-def _unflat(side_arrays) -> Side | None:
-    return (
-        Side(side_arrays[0], side_arrays[1], side_arrays[2], None, side_arrays[3])
-        if side_arrays
-        else None
+def _optional(side, gq, drop) -> tuple[list, list]:
+    """The optional inputs in their order (the side's fields and block ids, the dropout's) and
+    their logical axes."""
+    arrays, axes = [], []
+    if side is not None:
+        arrays += [*_flat(side), gq]
+        axes += [*_side_axes(side), ("batch", None)]
+    if drop is not None:
+        arrays += list(drop)
+        axes += tiles.DROP_AXES
+    return arrays, axes
+
+
+def _unpack(geo, rest) -> tuple:
+    """(side, block ids, drop) back from `_optional`'s arrays on a device."""
+    side = gq = drop = None
+    if geo.g:
+        side, gq, rest = Side(rest[0], rest[1], rest[2], None, rest[3]), rest[4], rest[5:]
+    if geo.rate:
+        drop = tiles.Drop(*rest[:3])
+    return side, gq, drop
+
+
+def _local(geo, q):
+    return dataclasses.replace(geo, batch=q.shape[0], heads=q.shape[2])
+
+
+def _placed_forward(geo, q, k, v, seg, bias, side, gq, drop):
+    def forward(q, k, v, seg, bias, *rest):
+        return _forward(_local(geo, q), q, k, v, seg, bias, *_unpack(geo, rest))
+
+    extra, extra_axes = _optional(side, gq, drop)
+    axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
+    return tiles.on_own_rows_and_heads(
+        forward, [q, k, v, seg, bias, *extra], axes, (tiles.ROWS, _STAT)
     )
 
 
-def _placed_forward(geo, q, k, v, seg, bias, side, gq):
-    def forward(q, k, v, seg, bias, *rest):
-        local = dataclasses.replace(geo, batch=q.shape[0], heads=q.shape[2])
-        side_arrays, gq = (rest[:-1], rest[-1]) if rest else ((), None)
-        return _forward(local, q, k, v, seg, bias, _unflat(side_arrays), gq)
-
-    arrays = [q, k, v, seg, bias, *_flat(side)] + ([gq] if side is not None else [])
-    axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), *_side_axes(side)]
-    axes += [("batch", None)] if side is not None else []
-    return tiles.on_own_rows_and_heads(forward, arrays, axes, (tiles.ROWS, _STAT))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(geo, q, k, v, seg, bias, side, gq):
-    return _placed_forward(geo, q, k, v, seg, bias, side, gq)[0]
+def _attention(geo, q, k, v, seg, bias, side, gq, drop):
+    return _placed_forward(geo, q, k, v, seg, bias, side, gq, drop)[0]
 
 
-def _attention_fwd(geo, q, k, v, seg, bias, side, gq):
-    o, lse = _placed_forward(geo, q, k, v, seg, bias, side, gq)
-    return o, (q, k, v, seg, bias, side, gq, o, lse)
+def _attention_fwd(geo, q, k, v, seg, bias, side, gq, drop):
+    o, lse = _placed_forward(geo, q, k, v, seg, bias, side, gq, drop)
+    return o, (q, k, v, seg, bias, side, gq, o, lse, drop)
 
 
 def _attention_bwd(geo, res, do):
-    q, k, v, seg, bias, side, gq, o, lse = res
+    q, k, v, seg, bias, side, gq, o, lse, drop = res
 
     def backward(q, k, v, seg, bias, o, lse, do, *rest):
-        local = dataclasses.replace(geo, batch=q.shape[0], heads=q.shape[2])
-        side_arrays, gq = (rest[:-1], rest[-1]) if rest else ((), None)
-        local_res = (q, k, v, seg, bias, _unflat(side_arrays), gq, o, lse)
-        dq, dk, dv, dbias, d_side = grad.backward(local, local_res, do)
-        return (dq, dk, dv, dbias) + (d_side if side_arrays else ())
+        side, gq, drop = _unpack(geo, rest)
+        local_res = (q, k, v, seg, bias, side, gq, o, lse, drop)
+        dq, dk, dv, dbias, d_side = grad.backward(_local(geo, q), local_res, do)
+        return (dq, dk, dv, dbias) + (d_side if side is not None else ())
 
-    arrays = [q, k, v, seg, bias, o, lse, do, *_flat(side)] + ([gq] if side is not None else [])
+    extra, extra_axes = _optional(side, gq, drop)
     axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), tiles.ROWS, _STAT]
-    axes += [tiles.ROWS, *_side_axes(side)] + ([("batch", None)] if side is not None else [])
+    axes += [tiles.ROWS, *extra_axes]
     # The bias tables' gradients lack `batch`: the placement sums them over the rows' devices.
     outs = (tiles.ROWS, tiles.ROWS, tiles.ROWS, ("heads", None, None))
     if side is not None:
         outs += (tiles.ROWS, tiles.ROWS, ("heads", None))
-    grads = tiles.on_own_rows_and_heads(backward, arrays, axes, outs)
+    grads = tiles.on_own_rows_and_heads(
+        backward, [q, k, v, seg, bias, o, lse, do, *extra], axes, outs
+    )
     d_side = None if side is None else Side(*grads[4:], None, None)
-    return grads[0], grads[1], grads[2], None, grads[3], d_side, None
+    return grads[0], grads[1], grads[2], None, grads[3], d_side, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -181,16 +208,18 @@ def encoder_attention(
     local_bias_HWX: jax.Array,
     side: Side | None,
     global_block_size: int,
+    dropout: tuple[jax.Array, jax.Array, float] | None = None,
 ) -> jax.Array:
     """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows); under a
-    mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`)."""
+    mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`). `dropout`:
+    (the layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
-    geo = tiles.geometry(q_BLHK, w, g, global_block_size)
+    geo = tiles.geometry(q_BLHK, w, g, global_block_size, dropout[2] if dropout else 0.0)
     lp = geo.n * w
     q, k, v = (_pad_to(x, 1, lp) for x in (q_BLHK, k_BLHK, v_BLHK))
     seg = _pad_to(segment_ids.astype(jnp.int32), 1, lp)
-    gq = None
+    gq = drop = None
     if geo.g:
         gq = _pad_to(side.block_ids.astype(jnp.int32), 1, lp, -1)
         side = Side(
@@ -200,7 +229,11 @@ def encoder_attention(
             None,
             _pad_to(side.global_segment_ids.astype(jnp.int32), 1, geo.gp),
         )
-        out = _attention(geo, q, k, v, seg, local_bias_HWX.astype(jnp.float32), side, gq)
     else:
-        out = _attention(geo, q, k, v, seg, local_bias_HWX.astype(jnp.float32), None, None)
-    return out[:, :length]
+        side = None
+    if geo.rate:
+        seed, rows, _ = dropout
+        heads = jnp.arange(geo.heads, dtype=jnp.int32)
+        drop = tiles.Drop(jnp.reshape(seed, (1,)).astype(jnp.int32), rows.astype(jnp.int32), heads)
+    bias = local_bias_HWX.astype(jnp.float32)
+    return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from longt5_jax.model.layers import SIDE_KEYS, dropout_scale
+
 
 class Side(NamedTuple):
     """TGlobal's side keys and what masks and biases them."""
@@ -38,6 +40,7 @@ class Geometry:
     g: int  # side keys G (0: Local, or inputs shorter than a global block)
     c: int  # side keys per chunk
     u: int  # one-hot rows for the side bias gradient
+    rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
 
     @property
     def gp(self) -> int:
@@ -72,13 +75,13 @@ def pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
-def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int) -> Geometry:
+def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
     b, length, h, k = q_BLHK.shape
     c = min(64, max(16, pow2(g))) if g else 16
     # The global blocks a window of W tokens meets: each has >= global_block tokens, so at most
     # ceil((W - 1) / global_block) + 1 of them, plus row 0 for tokens in none.
     u = max(16, pow2(2 + -(-(w - 1) // global_block)))
-    return Geometry(b, h, k, w, -(-length // w), g, c, u)
+    return Geometry(b, h, k, w, -(-length // w), g, c, u, rate)
 
 
 def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
@@ -194,16 +197,70 @@ def probs(s, valid, lse):
     return jnp.where(valid, jnp.exp(s - lse[:, None]), 0.0)
 
 
-def online(state, s, valid, v):
-    """One chunk of keys into the running (max, sum, unnormalised output)."""
+def online(state, s, valid, v, scale=None):
+    """One chunk of keys into the running (max, sum, unnormalised output); `scale` is the
+    dropout's (the sum is of the probabilities before it, as the XLA path's)."""
     m, l, acc = state
     s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_safe)
     p = jnp.where(valid, jnp.exp(s - m_safe[:, None]), 0.0)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    kept = p if scale is None else p * scale
+    acc = acc * alpha[:, None] + dot(kept.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+
+class Drop(NamedTuple):
+    """Attention dropout's inputs to a kernel (`layers.attention_keep`)."""
+
+    seed: jax.Array  # [1] int32, the layer's
+    rows: jax.Array  # [B] int32, global row ids
+    heads: jax.Array  # [H] int32, global head ids (a device holds some heads)
+
+
+DROP_AXES = [(None,), ("batch",), ("heads",)]
+
+
+def drop_scale(rate: float, drop_refs, b, h, query_ids, key_ids):
+    """[Q, C] dropout scale of queries x keys of row b, head h, or None without dropout."""
+    if not rate:
+        return None
+    seed_ref, rows_ref, heads_ref = drop_refs
+    row, head = rows_ref[b], heads_ref[h]
+    return dropout_scale(seed_ref[0], row, head, query_ids[:, None], key_ids[None, :], rate)
+
+
+def split_refs(geo: Geometry, inputs, fixed: int):
+    """A kernel's input refs as (its own first `fixed`, the side's if any, the dropout's if
+    any): side and dropout inputs come last, in that order."""
+    drop = inputs[len(inputs) - 3 :] if geo.rate else ()
+    return inputs[:fixed], inputs[fixed : len(inputs) - len(drop)], drop
+
+
+def with_drop(geo: Geometry, specs: list, arrays: list, drop: Drop | None):
+    """The dropout's arrays (whole) appended to a kernel's inputs when it drops out."""
+    if not geo.rate:
+        return specs, arrays
+    return specs + [whole()] * 3, arrays + list(drop)
+
+
+def query_ids(geo: Geometry, n):
+    return n * geo.w + jnp.arange(geo.w)
+
+
+def local_key_ids(geo: Geometry, n, c):
+    """Token positions of key block n - 1 + c (the XLA path's n W + x - W)."""
+    return (n - 1 + c) * geo.w + jnp.arange(geo.w)
+
+
+def side_key_ids(geo: Geometry, j):
+    return SIDE_KEYS + j * geo.c + jnp.arange(geo.c)
+
+
+def dropped_grad(p, dp, delta, scale):
+    """dS of dropped-out attention: p * (scale * dP - delta)."""
+    return p * ((dp if scale is None else dp * scale) - delta[:, None])
 
 
 def local_inputs(geo: Geometry, q, k, v, seg, bias):
