@@ -149,19 +149,21 @@ def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes()
     assert moved["pallas"] == moved["xla"]
 
 
-@pytest.mark.parametrize("mesh", [(2, 2), (4, 1)])
-def test_sharded_steps_with_the_kernels_equal_one_device(mesh):
-    """SGD steps of the tiny model, kernels interpreted on each device's shard, against the XLA
-    path on one device (test_step's batches and tolerance)."""
-    tiny = LongT5Config.preset("tiny")
+@pytest.mark.parametrize("mesh, dropout", [((2, 2), 0.0), ((4, 1), 0.0), ((2, 2), 0.1)])
+def test_sharded_steps_with_the_kernels_equal_one_device(mesh, dropout):
+    """SGD steps of the tiny model, kernels interpreted on each device's rows and heads, against
+    the XLA path on one device (test_step's batches and tolerance); with dropout, the masks
+    follow the rows and heads, not the layout."""
+    tiny = LongT5Config.preset("tiny", dropout_rate=dropout)
 
     def run(config, plan, devices):
         step = ShardedStep(
             LongT5(config), StepConfig(), optax.sgd(0.5), make_mesh(plan, devices), plan
         )
         state, losses = step.init(jax.random.key(0)), []
-        for batch in test_step._batches(n=2):
-            state, metrics = step(state, batch)
+        for i, batch in enumerate(test_step._batches(n=2)):
+            key = jax.random.fold_in(jax.random.key(7), i) if dropout else None
+            state, metrics = step(state, batch, key)
             losses.append(float(metrics["loss"]))
         return np.array(losses), jax.tree.map(np.asarray, state.params)
 
