@@ -50,8 +50,8 @@ class LongT5Config:
     remat: str = "none"
     # Attention: "xla" (the reference, score tensors in memory) or "pallas" (fused kernels for
     # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
-    # Triton on a GPU, interpreted on a CPU). Training with dropout and cached decoding run the
-    # XLA path.
+    # Triton on a GPU, interpreted on a CPU; attention dropout inside them). Cached decoding (one
+    # query a step) runs the XLA path.
     attention_kernel: str = "xla"
     pad_id: int = 0
     eos_id: int = 1

@@ -16,7 +16,7 @@ dq by query block; local dk, dv by key block (its three query blocks); side dk, 
 side keys over all query blocks; the local bias gradient as [H, N, W, 3W] partial sums over the
 batch (XLA sums the N); the side bias gradient summed in-kernel over the tokens of each global
 block (a [U, W] one-hot matmul, U << W), then by distance in XLA. Rows that see no key (padding)
-output 0. Dropout is not fused: the model uses the XLA path when dropout is active.
+output 0. Attention dropout is drawn per tile from `layers.attention_keep`, the XLA path's masks.
 
 Each kernel declares its tensor-core FLOPs in its name (`NAME.flops_N`): XLA has no cost for a
 custom call, and `plan.roofline` reads them from there.
