@@ -47,8 +47,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
-# Files whose tests share no fixture and each start processes or runs of their own.
-SPREAD = {"test_elastic.py", "test_multihost.py", "test_offload.py", "test_train.py"}
+# Files whose tests share no fixture and each start processes, runs or compiles of their own.
+SPREAD = {
+    "test_elastic.py",
+    "test_multihost.py",
+    "test_offload.py",
+    "test_train.py",
+    "test_long_attention_kernel.py",
+}
 
 
 @pytest.hookimpl(tryfirst=True)
