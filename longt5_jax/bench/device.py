@@ -34,21 +34,27 @@ _RESULT = "RESULT "
 _NO_GPU = "bench device runs the step on a GPU; this process has none"
 
 
+def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -> None:
+    """The arguments `case_step` reads: the cases, the compile target, the attention, its
+    kernels and the target length (bench device and bench roofline)."""
+    p.add_argument("--cases", nargs="+", default=cases, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
+    p.add_argument("--target", default="h100-80gb", help=target_help)
+    p.add_argument("--attention", default="tglobal")
+    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
+    p.add_argument("--target_length", type=length_type, default=512)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m longt5_jax.bench device", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--cases", nargs="+", default=CASES, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
-    p.add_argument("--target", default="h100-80gb", help="what the deviceless compile targets")
-    p.add_argument("--attention", default="tglobal")
-    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
+    add_step_arguments(p, CASES, "what the deviceless compile targets")
     p.add_argument(
         "--deviceless",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also compile each case deviceless for --target (memory and roofline ratios)",
     )
-    p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out_dir", default="bench_out")
@@ -80,9 +86,8 @@ def case_step(args, case: str, devices: list):
     from longt5_jax.training.step import StepConfig
 
     model, length, batch, remat = parse_case(case)
-    kernel = getattr(args, "attention_kernel", "xla")
     config = LongT5Config.preset(
-        model, args.attention, dtype="bfloat16", remat=remat, attention_kernel=kernel
+        model, args.attention, dtype="bfloat16", remat=remat, attention_kernel=args.attention_kernel
     )
     optimizer = make_optimizer(OptimizerConfig(name="adamw"))
     step = compile_ahead.sharded_step(

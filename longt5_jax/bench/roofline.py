@@ -55,11 +55,7 @@ def _parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench roofline", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--cases", nargs="+", default=CASES, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
-    p.add_argument("--target", default="h100-80gb", help="a100-80gb, h100-80gb or a file")
-    p.add_argument("--attention", default="tglobal")
-    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--target_length", type=cli.positive, default=512)
+    device.add_step_arguments(p, CASES, "a100-80gb, h100-80gb or a file", cli.positive)
     p.add_argument("--top", type=cli.positive, default=10, help="groups listed per case")
     p.add_argument("--out_dir", default="bench_out")
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -251,11 +250,6 @@ def _attention_bwd(tl, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _pad(x: jax.Array, sizes: dict[int, int]) -> jax.Array:
-    pad = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]
-    return jnp.pad(x, pad) if any(p for _, p in pad) else x
-
-
 def _tile_size(n: int) -> int:
     return min(64, max(16, tiles.pow2(n)))
 
@@ -274,24 +268,16 @@ def attention(
     layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
     b, t, h, k = q_BTHK.shape
     mask = jnp.broadcast_to(mask_BTS, (b, *mask_BTS.shape[1:]))
-    # A broadcast constant (the causal mask) is otherwise laid out whole on every device.
-    mask = nn.with_logical_constraint(mask, ("batch", None, None))
     tq, tk = _tile_size(t), _tile_size(k_BSHK.shape[1])
     tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
     rows, rate = mask.shape[1], dropout[2] if dropout else 0.0
     tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None, rate)
-    q = _pad(q_BTHK, {1: tp})
-    keys, values = _pad(k_BSHK, {1: sp}), _pad(v_BSHK, {1: sp})
-    mask = _pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
+    q = tiles.pad(q_BTHK, {1: tp})
+    keys, values = tiles.pad(k_BSHK, {1: sp}), tiles.pad(v_BSHK, {1: sp})
+    mask = tiles.pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
     if bias_HTS is None:
         bias = jnp.zeros((1, 1, 1), jnp.float32)
     else:
-        bias = _pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
-    drop = None
-    if rate:
-        seed, row_ids, _ = dropout
-        heads = jnp.arange(h, dtype=jnp.int32)
-        drop = tiles.Drop(
-            jnp.reshape(seed, (1,)).astype(jnp.int32), row_ids.astype(jnp.int32), heads
-        )
+        bias = tiles.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
+    drop = tiles.Drop.of(dropout[0], dropout[1], h) if rate else None
     return _attention(tl, q, keys, values, mask, bias, drop)[:, :t]

@@ -192,14 +192,6 @@ def _attention_bwd(geo, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def encoder_attention(
     q_BLHK: jax.Array,
     k_BLHK: jax.Array,
@@ -217,23 +209,21 @@ def encoder_attention(
     g = 0 if side is None else side.k_BGHK.shape[1]
     geo = tiles.geometry(q_BLHK, w, g, global_block_size, dropout[2] if dropout else 0.0)
     lp = geo.n * w
-    q, k, v = (_pad_to(x, 1, lp) for x in (q_BLHK, k_BLHK, v_BLHK))
-    seg = _pad_to(segment_ids.astype(jnp.int32), 1, lp)
+    q, k, v = (tiles.pad(x, {1: lp}) for x in (q_BLHK, k_BLHK, v_BLHK))
+    seg = tiles.pad(segment_ids.astype(jnp.int32), {1: lp})
     gq = drop = None
     if geo.g:
-        gq = _pad_to(side.block_ids.astype(jnp.int32), 1, lp, -1)
+        gq = tiles.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
         side = Side(
-            _pad_to(side.k_BGHK, 1, geo.gp),
-            _pad_to(side.v_BGHK, 1, geo.gp),
+            tiles.pad(side.k_BGHK, {1: geo.gp}),
+            tiles.pad(side.v_BGHK, {1: geo.gp}),
             side.bias_HD.astype(jnp.float32),
             None,
-            _pad_to(side.global_segment_ids.astype(jnp.int32), 1, geo.gp),
+            tiles.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.gp}),
         )
     else:
         side = None
     if geo.rate:
-        seed, rows, _ = dropout
-        heads = jnp.arange(geo.heads, dtype=jnp.int32)
-        drop = tiles.Drop(jnp.reshape(seed, (1,)).astype(jnp.int32), rows.astype(jnp.int32), heads)
+        drop = tiles.Drop.of(dropout[0], dropout[1], geo.heads)
     bias = local_bias_HWX.astype(jnp.float32)
     return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]

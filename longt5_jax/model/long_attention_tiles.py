@@ -218,8 +218,20 @@ class Drop(NamedTuple):
     rows: jax.Array  # [B] int32, global row ids
     heads: jax.Array  # [H] int32, global head ids (a device holds some heads)
 
+    @classmethod
+    def of(cls, seed: jax.Array, rows: jax.Array, heads: int) -> Drop:
+        """A layer's int32 seed, the rows' global ids and the call's `heads` (all global)."""
+        seed = jnp.reshape(seed, (1,)).astype(jnp.int32)
+        return cls(seed, rows.astype(jnp.int32), jnp.arange(heads, dtype=jnp.int32))
+
 
 DROP_AXES = [(None,), ("batch",), ("heads",)]
+
+
+def pad(x: jax.Array, sizes: dict[int, int], value=0) -> jax.Array:
+    """x zero- (or `value`-) padded at the end of each axis in `sizes` to that size."""
+    widths = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]
+    return jnp.pad(x, widths, constant_values=value) if any(w for _, w in widths) else x
 
 
 def drop_scale(rate: float, drop_refs, b, h, query_ids, key_ids):
