@@ -1,6 +1,8 @@
 """The fused encoder attention (Pallas, interpreted on CPU) against the XLA path it replaces."""
 
 import dataclasses
+import json
+import re
 
 import flax.linen as nn
 import jax
@@ -13,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
 from longt5_jax.cli import UsageError
-from longt5_jax.model import LongT5Config, relpos
+from longt5_jax.model import LongT5Config, attention_kernel, relpos
+from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, relative_positions_3block
@@ -274,3 +277,42 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case):
     # Dropout did drop: the output differs from the deterministic layer's.
     plain = kernels.run_layer(xla, params, inputs, cotangent)[0]
     assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1
+
+
+def test_launch_settings_reach_the_triton_calls():
+    """`tiles.launch` sets each kernel's warps and stages by name (first match wins, the rest
+    keep `LAUNCH`'s), in the Triton call a GPU compiles."""
+    q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
+    mask = jnp.ones((1, 64, 64), bool)
+
+    def lowered(launch):
+        with tiles.launch(launch):
+            step = jax.jit(lambda q: jax.grad(lambda q: attention_kernel.attention(q, q, q, mask)
+                                              .astype(jnp.float32).sum())(q))  # fmt: skip
+            text = step.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r'name = "(decoder_attention_\w+)\.flops.*?num_stages = (\d+) : i32, '
+                          r"num_warps = (\d+)", text)  # fmt: skip
+
+    found = dict((name, (int(w), int(s))) for name, s, w in lowered(()))
+    assert found == {"decoder_attention_fwd": (4, 2), "decoder_attention_dq": (8, 2),
+                     "decoder_attention_dkv": (8, 2)}  # fmt: skip
+    found = dict((name, (int(w), int(s))) for name, s, w in lowered((("*_dq", 2, 1),)))
+    assert found["decoder_attention_dq"] == (2, 1) and found["decoder_attention_fwd"] == (4, 2)
+
+
+@pytest.mark.slow
+def test_bench_kernels_checks_both_families_and_times_launch_settings(tmp_path):
+    """`bench kernels` on CPU (interpreted): the encoder and decoder layers' float32 kernels
+    within the tolerance of the XLA path, each launch setting timed, the fastest named."""
+    cases = ["tiny:tglobal:150:1:packed", "tiny:decoder:70:1:padded"]
+    launches = ["", "*=8:1"]
+    args = ["--cases", *cases, "--repeats", "1", "--launch", *launches, "--out_dir", str(tmp_path)]
+    assert kernels.main(args) == 0
+    report = json.loads((tmp_path / "kernels.json").read_text())
+    assert [c["case"] for c in report["cases"]] == cases
+    for case in report["cases"]:
+        assert max(case["pallas_float32"].values()) <= TOLERANCE, case
+        assert set(case["launch_seconds"]) == set(launches)
+    assert report["best_launch"] in launches
+    with pytest.raises(SystemExit):
+        kernels.main(["--launch", "*=3:2"])

@@ -61,8 +61,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"
     )
+    p.add_argument(
+        "--launch",
+        type=parse_launch,
+        default=(),
+        help="Triton launch settings of the kernels: PATTERN=WARPS:STAGES[,...] by kernel name",
+    )
     p.add_argument("--child", choices=["gpu", "deviceless", "torch"], help=argparse.SUPPRESS)
     return p
+
+
+def parse_launch(text: str) -> tuple[tuple[str, int, int], ...]:
+    """'encoder_attention_fwd=8:3,*=4:2' -> ((pattern, warps, stages), ...)."""
+    settings = []
+    for item in filter(None, text.split(",")):
+        pattern, _, numbers = item.partition("=")
+        warps, _, stages = numbers.partition(":")
+        numeric = warps.isdigit() and stages.isdigit()
+        if not (pattern and numeric and int(warps) in (1, 2, 4, 8, 16)):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected PATTERN=WARPS:STAGES (warps 1, 2, 4, 8 or 16)"
+            )
+        settings.append((pattern, int(warps), int(stages)))
+    return tuple(settings)
+
+
+def launch_text(settings) -> str:
+    return ",".join(f"{p}={w}:{s}" for p, w, s in settings)
 
 
 def parse_case(text: str) -> tuple[str, int, int, str]:
@@ -214,7 +239,7 @@ def _child(args, kind: str, case: str) -> dict:
     cmd += ["--target", args.target, "--attention", args.attention]
     cmd += ["--attention_kernel", args.attention_kernel]
     cmd += ["--target_length", str(args.target_length), "--steps", str(args.steps)]
-    cmd += ["--warmup", str(args.warmup)]
+    cmd += ["--warmup", str(args.warmup), "--launch", launch_text(args.launch)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
     if not lines:
@@ -297,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.child:
         run = {"gpu": _on_gpu, "deviceless": _deviceless, "torch": _transformers}[args.child]
+        from longt5_jax.model import long_attention_tiles as tiles
+
         try:
-            report = run(args, args.cases[0])
+            with tiles.launch(args.launch):
+                report = run(args, args.cases[0])
         except ValueError as e:  # no GPU here, or no compiler for the target
             report = {"error": str(e)}
         print(_RESULT + json.dumps(report), flush=True)

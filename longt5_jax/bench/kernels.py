@@ -1,11 +1,14 @@
-"""The fused encoder attention against the XLA path it replaces, on this machine's backend.
+"""The fused attention kernels against the XLA path they replace, on this machine's backend.
 
-Each case is one encoder attention layer (projections included: `LongSelfAttention`) of a
-published size, with random parameters and padded or packed rows. For float32 and bfloat16 it
-reports the output's and every gradient's largest error relative to the largest value of the
-float32 XLA path (padding rows excluded: the model masks them downstream), and the time of the
-layer's forward and backward with each kernel (median of the timed runs after a warm-up). On a
-GPU the kernels are Triton; elsewhere they are interpreted (use small cases there).
+Each case is one attention layer (projections included) of a published size, with random
+parameters and padded or packed rows: the encoder's `LongSelfAttention` (tglobal or local), or
+the decoder's causal self-attention (512 targets, or LENGTH if fewer, with its bias) followed by
+cross-attention over LENGTH encoder tokens (`decoder`). For float32 and bfloat16 it reports the
+output's and every gradient's largest error relative to the largest value of the float32 XLA
+path (padding rows excluded: the model masks them downstream), and the time of the layer's
+forward and backward with each path (median of the timed runs after a warm-up); with several
+`--launch` settings, the kernels' time under each. On a GPU the kernels are Triton; elsewhere
+they are interpreted (use small cases there).
 """
 
 from __future__ import annotations
@@ -19,17 +22,26 @@ import time
 import numpy as np
 
 from longt5_jax import cli
+from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 
-CASES = ["base:tglobal:4096:2:padded", "base:tglobal:16384:1:packed", "xl:local:4096:1:padded"]
+CASES = [
+    "base:tglobal:4096:2:padded",
+    "base:tglobal:16384:1:packed",
+    "xl:local:4096:1:padded",
+    "base:decoder:4096:2:padded",
+]
+TARGETS = 512  # the decoder's queries in a `decoder` case
 
 
 def parse_case(text: str) -> tuple[str, str, int, int, bool]:
     parts = text.split(":")
     ok = len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit()
-    if not ok or parts[4] not in ("padded", "packed") or parts[1] not in ("tglobal", "local"):
+    if not ok or parts[4] not in ("padded", "packed"):
+        ok = False
+    if not ok or parts[1] not in ("tglobal", "local", "decoder"):
         raise cli.UsageError(
-            f"--cases {text!r}: expected MODEL:tglobal|local:LENGTH:BATCH:padded|packed"
+            f"--cases {text!r}: expected MODEL:tglobal|local|decoder:LENGTH:BATCH:padded|packed"
         )
     return parts[0], parts[1], int(parts[2]), int(parts[3]), parts[4] == "packed"
 
@@ -51,8 +63,24 @@ def rows(batch: int, length: int, packed: bool, rng) -> tuple[np.ndarray, np.nda
     return seg, pos
 
 
+def _perturbed(params, seed: int):
+    """Parameters perturbed in proportion to each one's spread: an absolute perturbation at
+    d_model 768 makes logits of hundreds, a one-hot softmax and q, k gradients that are zero up
+    to rounding."""
+    import jax
+    import jax.numpy as jnp
+
+    noise = jax.random.key(seed + 1)
+    return jax.tree.map(
+        lambda a: a
+        + 0.3 * jnp.where(a.std() > 0, a.std(), 1.0) * jax.random.normal(noise, a.shape),
+        params,
+    )
+
+
 def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
-    """(params, inputs, cotangent) of one attention layer: random parameters, tables and input."""
+    """(params, inputs, cotangent) of one encoder attention layer: random parameters, tables and
+    input."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -76,58 +104,116 @@ def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
     args = (inputs["x"], inputs["seg"], jnp.zeros((h, w, 3 * w)), inputs["blocks"])
     layer = LongSelfAttention(config, True)
     params = nn.unbox(layer.init(jax.random.key(seed), *args, inputs["side_table"]))["params"]
-    # Perturbed in proportion to each parameter's spread: an absolute perturbation at d_model 768
-    # makes logits of hundreds, a one-hot softmax and q, k gradients that are zero up to rounding.
-    noise = jax.random.key(seed + 1)
-    params = jax.tree.map(
-        lambda a: a
-        + 0.3 * jnp.where(a.std() > 0, a.std(), 1.0) * jax.random.normal(noise, a.shape),
-        params,
-    )
     real = jnp.asarray(seg > 0)[..., None]
     cotangent = jnp.asarray(rng.normal(size=inputs["x"].shape), jnp.float32) * real
-    return params, inputs, cotangent
+    return _perturbed(params, seed), inputs, cotangent
 
 
-@functools.cache
-def layer_grad(config):
-    """jit(params, x, local table, side table, inputs, cotangent) -> (output, gradients)."""
+def _decoder_attention(config):
+    """A decoder layer's attention: causal self-attention with its bias, then cross-attention."""
+    import flax.linen as nn
+
+    from longt5_jax.model.attention import Attention
+
+    class DecoderAttention(nn.Module):
+        @nn.compact
+        def __call__(self, y, encoded, self_mask, bias, cross_mask):
+            attend = Attention(config, True, name="self_attention")
+            y = y + attend(y, *attend.keys_values(y), self_mask, bias)
+            cross = Attention(config, True, name="encoder_decoder_attention")
+            return y + cross(y, *cross.keys_values(encoded), cross_mask)
+
+    return DecoderAttention()
+
+
+def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
+    """(params, inputs, cotangent) of a decoder layer's attention over `length` encoder tokens
+    (padded or packed) from TARGETS queries, or `length` if fewer (all real; causal)."""
     import jax
     import jax.numpy as jnp
 
+    rng = np.random.default_rng(seed)
+    seg, _ = rows(batch, length, packed, rng)
+    d, h, t = config.d_model, config.num_heads, min(TARGETS, length)
+    causal = np.tril(np.ones((t, t), bool))[None]
+    inputs = {
+        "x": jnp.asarray(rng.normal(size=(batch, t, d)), jnp.float32),
+        "encoded": jnp.asarray(rng.normal(size=(batch, length, d)), jnp.float32),
+        "self_mask": jnp.asarray(causal),
+        "bias": jnp.asarray(rng.normal(size=(h, t, t)), jnp.float32),
+        "cross_mask": jnp.asarray(seg > 0)[:, None, :],
+        "seg": jnp.ones((batch, t), jnp.int32),
+    }
+    layer = _decoder_attention(config)
+    order = ("x", "encoded", "self_mask", "bias", "cross_mask")
+    params = layer.init(jax.random.key(seed), *(inputs[k] for k in order))["params"]
+    cotangent = jnp.asarray(rng.normal(size=inputs["x"].shape), jnp.float32)
+    return _perturbed(params, seed), inputs, cotangent
+
+
+@functools.cache
+def layer_grad(config, kind: str, launch: tuple = ()):
+    """(params, inputs, cotangent, x) -> (output, gradients of the parameters, x and the float
+    inputs) of an encoder or decoder (`kind`) layer, its kernels launched with `launch`."""
+    import jax
+    import jax.numpy as jnp
+
+    from longt5_jax.model import long_attention_tiles as tiles
     from longt5_jax.model import relpos
     from longt5_jax.model.long_attention import LongSelfAttention, relative_positions_3block
 
-    layer = LongSelfAttention(config, True)
-    rel = relative_positions_3block(config.block_len)
-    buckets = relpos.relative_position_bucket(
-        rel, True, config.relpos_buckets, config.relpos_max_distance
-    )
+    if kind == "decoder":
+        layer = _decoder_attention(config)
 
-    def loss(params, x, local_table, side_table, seg, blocks, cotangent):
-        local_bias = relpos.lookup(local_table, buckets)
-        out = layer.apply({"params": params}, x, seg, local_bias, blocks, side_table)
+        def apply(params, x, inputs):
+            return layer.apply(
+                {"params": params}, x, inputs["encoded"], inputs["self_mask"], inputs["bias"],
+                inputs["cross_mask"],
+            )  # fmt: skip
+
+        wrt = ("encoded", "bias")
+    else:
+        layer = LongSelfAttention(config, True)
+        rel = relative_positions_3block(config.block_len)
+        buckets = relpos.relative_position_bucket(
+            rel, True, config.relpos_buckets, config.relpos_max_distance
+        )
+
+        def apply(params, x, inputs):
+            local_bias = relpos.lookup(inputs["local_table"], buckets)
+            return layer.apply(
+                {"params": params}, x, inputs["seg"], local_bias, inputs["blocks"],
+                inputs["side_table"],
+            )  # fmt: skip
+
+        wrt = ("local_table", "side_table")
+
+    def loss(params, x, tables, inputs, cotangent):
+        out = apply(params, x, {**inputs, **tables})
         return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    def run(params, inputs, cotangent, x):
+        tables = {k: inputs[k] for k in wrt}
+        with tiles.launch(launch):
+            return grad(params, x, tables, inputs, cotangent)
+
+    return run
 
 
-def run_layer(config, params, inputs, cotangent, dtype: str = "float32"):
-    """(output, gradients) of the layer with `config` in `dtype` (inputs cast to it)."""
+def run_layer(config, params, inputs, cotangent, dtype="float32", launch=()):
+    """(output, gradients) of the layer of `inputs` (a decoder's if they hold `encoded`) with
+    `config` in `dtype` (inputs cast to it)."""
     import jax
     import jax.numpy as jnp
 
     config = dataclasses.replace(config, dtype=dtype)
     x = inputs["x"].astype(jnp.dtype(dtype))
-    (_, out), grads = layer_grad(config)(
-        params,
-        x,
-        inputs["local_table"],
-        inputs["side_table"],
-        inputs["seg"],
-        inputs["blocks"],
-        cotangent,
-    )
+    kind = "decoder" if "encoded" in inputs else "encoder"
+    if kind == "decoder":
+        inputs = {**inputs, "encoded": inputs["encoded"].astype(jnp.dtype(dtype))}
+    (_, out), grads = layer_grad(config, kind, launch)(params, inputs, cotangent, x)
     return jax.block_until_ready((out, grads))
 
 
@@ -149,50 +235,67 @@ def relative_errors(got, want, real) -> dict[str, float]:
     return out
 
 
-def _time(config, params, inputs, cotangent, repeats: int) -> float:
-    """Median seconds of the layer's forward and backward in bfloat16 (after one warm-up)."""
+def _time(run, repeats: int) -> float:
+    """Median seconds of run() (after one warm-up)."""
     times = []
     for _ in range(repeats + 1):
         began = time.perf_counter()
-        run_layer(config, params, inputs, cotangent, "bfloat16")
+        run()
         times.append(time.perf_counter() - began)
     return statistics.median(times[1:])
 
 
-def measure(case: str, repeats: int) -> dict:
+def measure(case: str, repeats: int, launches: list = ((),)) -> dict:
     import jax
 
     from longt5_jax.model import LongT5Config
 
-    model, attention, length, batch, packed = parse_case(case)
-    xla = LongT5Config.preset(model, attention)
+    model, kind, length, batch, packed = parse_case(case)
+    xla = LongT5Config.preset(model, "local" if kind == "decoder" else kind)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
-    params, inputs, cotangent = layer_problem(xla, batch, length, packed)
+    build = decoder_problem if kind == "decoder" else layer_problem
+    params, inputs, cotangent = build(xla, batch, length, packed)
     real = inputs["seg"][..., None] > 0
-    reference = run_layer(xla, params, inputs, cotangent)
-    report = {
-        "case": case,
-        "backend": jax.default_backend(),
-        "device": jax.devices()[0].device_kind,
-    }
+    problem = (params, inputs, cotangent)
+    reference = run_layer(xla, *problem)
+    device = jax.devices()[0].device_kind
+    report = {"case": case, "backend": jax.default_backend(), "device": device}
+    first = launches[0]
     report["pallas_float32"] = relative_errors(
-        run_layer(pallas, params, inputs, cotangent), reference, real
+        run_layer(pallas, *problem, launch=first), reference, real
     )
     for name, config in (("xla", xla), ("pallas", pallas)):
-        low = run_layer(config, params, inputs, cotangent, "bfloat16")
+        low = run_layer(config, *problem, "bfloat16", first)
         report[f"{name}_bfloat16"] = relative_errors(low, reference, real)
         if repeats:
-            report[f"{name}_seconds"] = _time(config, params, inputs, cotangent, repeats)
+            report[f"{name}_seconds"] = _time(
+                lambda c=config: run_layer(c, *problem, "bfloat16", first), repeats
+            )
+    if repeats and len(launches) > 1:
+        report["launch_seconds"], report["launch_errors"] = {}, {}
+        for launch in launches:
+            try:
+                seconds = _time(
+                    lambda x=launch: run_layer(pallas, *problem, "bfloat16", x), repeats
+                )
+            except Exception as e:  # a setting the GPU cannot launch (registers, shared memory)
+                report["launch_errors"][launch_text(launch)] = str(e).splitlines()[0][:300]
+                continue
+            report["launch_seconds"][launch_text(launch)] = seconds
     return report
 
 
 def _print(report: dict) -> None:
-    worst = {k: max(v.values()) for k, v in report.items() if isinstance(v, dict)}
+    worst = {k: max(v.values()) for k, v in report.items() if k.endswith(("32", "16"))}
     line = "  ".join(f"{k} {v:.1e}" for k, v in worst.items())
     print(f"{report['case']:32} worst relative error: {line}")
     if "xla_seconds" in report:
         x, p = report["xla_seconds"], report["pallas_seconds"]
         print(f"{'':32} fwd+bwd bf16: xla {x * 1e3:.2f} ms, pallas {p * 1e3:.2f} ms ({x / p:.2f}x)")
+    for launch, seconds in report.get("launch_seconds", {}).items():
+        print(f"{'':32} pallas {seconds * 1e3:8.2f} ms with --launch {launch or '(default)'}")
+    for launch, error in report.get("launch_errors", {}).items():
+        print(f"{'':32} --launch {launch}: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +308,14 @@ def _main(argv: list[str]) -> int:
     )
     p.add_argument("--cases", nargs="+", default=CASES, help=CASES[0])
     p.add_argument("--repeats", type=int, default=10, help="timed runs per kernel (0: none)")
+    p.add_argument(
+        "--launch",
+        nargs="+",
+        type=parse_launch,
+        default=[()],
+        help="Triton launch settings to time, PATTERN=WARPS:STAGES[,...] each (the first is "
+        "checked; '' is the default)",
+    )
     p.add_argument("--out_dir", default="bench_out")
     args = p.parse_args(argv)
     for case in args.cases:
@@ -213,7 +324,23 @@ def _main(argv: list[str]) -> int:
         raise cli.UsageError(f"--repeats {args.repeats}: expected >= 0")
     reports = []
     for case in args.cases:
-        reports.append(measure(case, args.repeats))
+        reports.append(measure(case, args.repeats, args.launch))
         _print(reports[-1])
-    write_json(args.out_dir, "kernels", {"config": vars(args), "cases": reports})
+    best = _best_launch(reports)
+    if best is not None:
+        print(f"fastest --launch over the cases: {best or '(default)'}")
+    write_json(
+        args.out_dir,
+        "kernels",
+        {"config": {**vars(args), "launch": [launch_text(x) for x in args.launch]},
+         "cases": reports, "best_launch": best},
+    )  # fmt: skip
     return 0
+
+
+def _best_launch(reports: list[dict]) -> str | None:
+    """The launch setting with the least total time over the cases, if several were timed."""
+    timed = [r["launch_seconds"] for r in reports if "launch_seconds" in r]
+    everywhere = set.intersection(*(set(t) for t in timed)) if timed else set()
+    totals = {launch: sum(t[launch] for t in timed) for launch in everywhere}
+    return min(totals, key=totals.get) if totals else None

@@ -32,6 +32,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="small")
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
     p.add_argument("--remat", default="none", choices=["none", "full", "save_dots"])
     p.add_argument("--input_length", type=int, default=4096)
     p.add_argument("--target_length", type=int, default=256)
@@ -149,7 +150,13 @@ def _print(report: dict) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    config = LongT5Config.preset(args.preset, args.attention, dtype=args.dtype, remat=args.remat)
+    config = LongT5Config.preset(
+        args.preset,
+        args.attention,
+        dtype=args.dtype,
+        remat=args.remat,
+        attention_kernel=args.attention_kernel,
+    )
     batch = ts.features(config, args.batch_size, args.input_length, args.target_length)
     step = ts.OursStep(config, batch)
     step()  # warm-up

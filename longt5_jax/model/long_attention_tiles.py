@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import fnmatch
 import inspect
 from typing import NamedTuple
 
@@ -97,15 +98,38 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
             in_specs=in_specs,
             out_specs=out_specs,
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(
-                num_warps=4 if name.endswith("fwd") else 8, num_stages=2
-            ),
+            compiler_params=plgpu.CompilerParams(**_launch_of(name)),
             name=f"{name}.flops_{flops}",
         )
 
     return lambda *arrays: jax.lax.platform_dependent(
         *arrays, cpu=build(True), default=build(False)
     )
+
+
+# Triton's warps and software-pipelining stages by kernel name (fnmatch patterns, first match
+# wins), as measured on an H100 (`bench kernels --launch`, README): the encoder's programs hold
+# [128, 128] float32 score tiles, which 4 warps cannot keep in registers, and three stages hide
+# the loads of the next key block (the layer's forward and backward 12.5 -> 10.1 ms at base 16k);
+# the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against 1.81 with 8:3).
+LAUNCH: tuple[tuple[str, int, int], ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2), ("*", 8, 2))
+_LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)
+
+
+@contextlib.contextmanager
+def launch(settings: tuple[tuple[str, int, int], ...]):
+    """Kernels traced inside this launch with `settings` ((pattern, warps, stages), first match
+    wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels` tries others."""
+    token = _LAUNCH.set(tuple(settings) + LAUNCH)
+    try:
+        yield
+    finally:
+        _LAUNCH.reset(token)
+
+
+def _launch_of(name: str) -> dict:
+    warps, stages = next((w, s) for p, w, s in _LAUNCH.get() if fnmatch.fnmatchcase(name, p))
+    return {"num_warps": warps, "num_stages": stages}
 
 
 # -- block specs ------------------------------------------------------------------------------
