@@ -2,7 +2,9 @@
 
 Bad input the user can fix (a `UsageError`, a `ValueError` raised by this package, a file that is
 missing, is a directory or cannot be read) ends as one line on stderr, `error: ...` naming the
-file, field or value, and exit 2. Anything else is a bug: its traceback is kept and the exit is 1.
+file, field or value, and exit 2. A run that stops on a fault of its own (a `RunFault`: a full
+disk, a loss gone NaN, the data run out) says so in one line and exits 1. Anything else is a bug:
+its traceback is kept and the exit is 1.
 Third-party noise that would follow a one-line error (orbax's and absl's log lines, asyncio's
 "Task exception was never retrieved", jax's CUDA-plugin traceback on a machine without a GPU) is
 cut down or silenced before any of it starts.
@@ -26,6 +28,10 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 
 class UsageError(ValueError):
     """Bad input the user can fix, said in one line naming the file, field or value."""
+
+
+class RunFault(RuntimeError):
+    """A run that cannot go on for a reason of its own, not bad input; what it saved is safe."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -164,6 +170,10 @@ def quiet_third_party() -> None:
     logging.getLogger("jax._src.xla_bridge").addFilter(_PluginTraceback())
     for name in ("absl", "orbax", "asyncio"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # orbax logs each failure of its background threads (with tracebacks, through absl, each
+    # line starting "[process=N]") and then raises it in the thread that waits for them, where
+    # it is said in one line.
+    logging.getLogger("absl").addFilter(lambda r: not str(r.msg).startswith("[process="))
 
 
 def cpu_devices(count: int) -> None:
@@ -197,6 +207,9 @@ def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RunFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         line = one_line(e)
         if line is None:

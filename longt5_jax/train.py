@@ -20,6 +20,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    from longt5_jax.training import loop
+
+    with loop.stopping_on_signals():  # first: a signal during start-up is kept, not fatal
+        return _train(argv)
+
+
+def _train(argv: list[str]) -> int:
     from longt5_jax import cli, configuration
     from longt5_jax.training import distributed
 
@@ -52,14 +59,10 @@ def _main(argv: list[str]) -> int:
         cfg["step"].microbatches,
     )
     from longt5_jax.training import run_lock
-    from longt5_jax.training.loop import NonFiniteError, train
+    from longt5_jax.training.loop import train
 
-    try:
-        with run_lock.held(model_dir):  # before anything in MODEL_DIR is written
-            train(cfg)
-    except NonFiniteError as e:  # the run's own verdict, not bad input: exit 1, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    with run_lock.held(model_dir):  # before anything in MODEL_DIR is written
+        train(cfg)
     return 0
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -210,6 +211,17 @@ CASES = {
         _train("--gin.DataConfig.tokenizer='{other}'"),
         "another tokenizer (sha256 ",  # checked against the checkpoint's own
     ),
+    # A start-up check that fails after the data, the model and the state are built: nothing
+    # in MODEL_DIR is written before every check has passed (config.gin was).
+    "resume with the metrics port taken": (
+        _train("--gin.RunConfig.prometheus_port={port}"),
+        "RunConfig.prometheus_port={port}: cannot listen on 127.0.0.1:{port}",
+    ),
+    "resume with an eval file that is missing": (
+        _train(*FILES[:1], "--gin.DataConfig.train_files='{d}/val_predictions.jsonl'")
+        + ["--gin.DataConfig.eval_files='{d}/missing.jsonl'", "--gin.EvalConfig.loss_every=2"],
+        "{d}/missing.jsonl",
+    ),
     # An output over an input.
     "predict --output is --input": (
         [*PREDICT, "--output={d}/docs.jsonl"],
@@ -297,11 +309,13 @@ def outcomes(tmp_path_factory, trained, env):
     """Every case run at once; each result with its directory's files before and after."""
     run, other = trained
     started = {}
+    taken = socket.create_server(("127.0.0.1", 0))  # the port a metrics endpoint cannot have
     for name, (argv, _) in CASES.items():
         d = tmp_path_factory.mktemp(name.replace(" ", "_").replace("-", ""))
         _prepare(d, name, run, other)
         values = {"d": d, "other": d / "other.model"}
         values["relative"] = os.path.relpath(d / "docs.jsonl", ROOT)
+        values["port"] = taken.getsockname()[1]
         before = _snapshot(d)
         started[name] = (
             values,
@@ -317,6 +331,7 @@ def outcomes(tmp_path_factory, trained, env):
             before,
             _snapshot(values["d"]),
         )
+    taken.close()
     return results
 
 

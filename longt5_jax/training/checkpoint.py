@@ -9,7 +9,10 @@ alone, so a restore that cannot fit names every differing path before touching a
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
+import errno
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,15 +20,21 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from longt5_jax.cli import RunFault
 from longt5_jax.formats.native import (
     UNREADABLE,
     CheckpointError,
     DamagedCheckpoint,
     array_infos,
     check_tree,
+    is_complete,
     quiet_failed_reads,
     unreadable,
 )
+
+
+class DiskFull(RunFault):
+    """A save that ran out of space: the run stops; its last complete checkpoint is intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Checkpoints:
             keep_period=cfg.keep_every or None,
             enable_async_checkpointing=True,
             cleanup_tmp_directories=True,  # what a killed save left behind
+            create=False,  # made by the first save: a run that cannot start writes nothing
         )
         self.manager = ocp.CheckpointManager(
             (Path(model_dir) / "checkpoints").absolute(),
@@ -61,6 +71,8 @@ class Checkpoints:
         # The SentencePiece model travels in every checkpoint, so that evaluate and predict
         # decode with the ids it was trained on, wherever the step directory is copied.
         self.tokenizer = {"sentencepiece_model": base64.b64encode(tokenizer).decode("ascii")}
+        self._saving: tuple[int, int] | None = None  # (step, state bytes) of the newest save
+        self._stopped = False
 
     def save(self, step: int, state: Any, data_iterator: Any, config: dict, force=False) -> bool:
         """Start saving `step` if it is due (or `force`); returns whether a save started.
@@ -75,7 +87,13 @@ class Checkpoints:
         }
         if self.tokenizer["sentencepiece_model"]:
             items["tokenizer"] = ocp.args.JsonSave(self.tokenizer)
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        Path(self.manager.directory).mkdir(parents=True, exist_ok=True)
+        # A save that failed in the background (a full disk) is raised here, by the next one.
+        with self._failed_saves():
+            started = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        if started:
+            self._saving = (step, sum(x.nbytes for x in jax.tree.leaves(state)))
+        return started
 
     def due(self, step: int) -> bool:
         return self.manager.should_save(step)
@@ -150,8 +168,50 @@ class Checkpoints:
 
     def close(self) -> None:
         """Wait for the last save to be complete on disk."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if not self._stopped:
+            with self._failed_saves():
+                self.manager.wait_until_finished()
+        with contextlib.suppress(Exception):  # after a failed save, its error is already said
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _failed_saves(self):
+        """A save that ran out of space becomes one `DiskFull` line; its partial directory
+        is removed (orbax would remove it on the next start too)."""
+        try:
+            yield
+        except Exception as e:
+            if not _no_space(e) or self._saving is None:
+                raise
+            self._stopped = True
+            raise self._disk_full(*self._saving) from None
+
+    def _disk_full(self, step: int, needed: int) -> DiskFull:
+        directory = Path(self.manager.directory)
+        with contextlib.suppress(Exception):  # the save's other writers end, failing too
+            self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            for partial in directory.glob(f"{step}.*orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        complete = [int(p.name) for p in directory.iterdir() if p.name.isdigit() and is_complete(p)]
+        free = shutil.disk_usage(directory).free
+        last = (
+            f"step {max(complete)} is the last complete checkpoint" if complete else "no step saved"
+        )
+        return DiskFull(
+            f"{directory}: no space left on device saving step {step} (about "
+            f"{needed / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free); {last}: free "
+            "space and rerun the same command to resume"
+        )
+
+
+def _no_space(e: BaseException | None) -> bool:
+    """Whether `e` or what caused it is a full disk (tensorstore says it in its message)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _everywhere(ok: bool) -> bool:

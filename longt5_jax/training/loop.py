@@ -5,7 +5,13 @@ Reads like its table of contents; `python -m longt5_jax.train` configures it and
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+import threading
 from pathlib import Path
+
+from longt5_jax.cli import RunFault
 
 
 def train(cfg: dict) -> dict:
@@ -38,6 +44,10 @@ def train(cfg: dict) -> dict:
             flush=True,
         )
 
+    # Every start-up check before anything is written to MODEL_DIR: the metrics port, the eval
+    # data, the checkpoints to resume (a run that cannot start leaves MODEL_DIR as it was).
+    exporter = _exporter(cfg)
+    evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step).open()
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
         # A resumed run never initialises: the restore fills the state's shapes in place.
@@ -49,15 +59,16 @@ def train(cfg: dict) -> dict:
                 source = resolve(cfg["ckpt"].init_from)
                 state = state.replace(params=restore_params(source, step.abstract_state.params))
                 note = f"parameters from {source}; optimizer and step start anew"
-        # Only now, with the state in hand: a run that cannot start leaves MODEL_DIR as it was.
+        if _anywhere(bool(stopped())):  # during start-up: nothing trained, nothing written
+            print(f"{stopped()}: stopped before step {start + 1}; nothing new to save", flush=True)
+            return {}
         if jax.process_index() == 0:
             (model_dir / "config.gin").write_text(configuration.operative_config())
             if not start or not identity.recorded(model_dir):
                 identity.record(model_dir, pinned)
             if note:
                 print(note, flush=True)
-        writer = _metrics_writer(cfg, start)
-        evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step)
+        writer = _metrics_writer(cfg, start, exporter)
         try:
             return _loop(cfg, step, state, batches, checkpoints, writer, start, evaluate)
         finally:
@@ -85,25 +96,31 @@ def _tokenizer(cfg: dict) -> tuple:
     return tokenizer, pinned
 
 
-def _metrics_writer(cfg: dict, start: int):
-    """Logs, TensorBoard, the opt-in Prometheus endpoint, and MFU where the peak is known."""
+def _exporter(cfg: dict):
+    """The opt-in Prometheus endpoint, its port taken now (a port in use is a start-up error)."""
     import jax
 
     from longt5_jax.configuration import ConfigError
+
+    run = cfg["run"]
+    if not run.prometheus_port:
+        return None
+    from longt5_jax.training.prometheus import PrometheusExporter
+
+    try:
+        return PrometheusExporter(run.prometheus_port, run.prometheus_host, jax.process_index())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _metrics_writer(cfg: dict, start: int, exporter):
+    """Logs, TensorBoard, the Prometheus endpoint if any, and MFU where the peak is known."""
+    import jax
+
     from longt5_jax.plan.flops import train_flops_per_step
     from longt5_jax.training.metrics import MetricsWriter, peak_flops
 
     run, data = cfg["run"], cfg["data"]
-    exporter = None
-    if run.prometheus_port:
-        from longt5_jax.training.prometheus import PrometheusExporter
-
-        try:
-            exporter = PrometheusExporter(
-                run.prometheus_port, run.prometheus_host, jax.process_index()
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     return MetricsWriter(
         run.model_dir,
         run.train_steps,
@@ -116,8 +133,12 @@ def _metrics_writer(cfg: dict, start: int):
     )
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunFault):
     """A NaN or Inf loss or gradient, with updates not set to be skipped."""
+
+
+class DataExhausted(RunFault):
+    """The training data ran out (a finite number of epochs) before the last step."""
 
 
 def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, evaluate) -> dict:
@@ -125,8 +146,6 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
     import dataclasses
 
     import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     from longt5_jax import configuration
     from longt5_jax.data.pipeline import global_batch
@@ -139,12 +158,21 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
         "gin": configuration.operative_config(),
         "model": dataclasses.asdict(cfg["model"]),
     }
-    terminated = _on_sigterm()
     profiler = StepProfiler(run.model_dir, run.profile_start, run.profile_steps)
-    row, bad_steps, pending = {}, 0, []
+    row, bad_steps, pending, saved = {}, 0, [], start
     for i in range(start, run.train_steps):
         with writer.timing("data"):
-            local = next(batches)
+            local = next(batches, None)
+        if local is None:  # a finite number of epochs is over: keep what was trained
+            if i > saved:
+                _nonfinite(pending, skip)
+                checkpoints.save(i, state, batches, config, force=True)
+            kept = f"step {i} is saved" if i else "no step was trained"
+            raise DataExhausted(
+                f"the training data ran out after step {i} of {run.train_steps} "
+                f"(DataConfig.num_epochs={cfg['data'].num_epochs}); {kept}: rerun with more "
+                f"data, more epochs or RunConfig.train_steps <= {i}"
+            )
         profiler.before(i + 1)
         # Counted on the host copy: reading the global arrays would stall the step pipeline.
         tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
@@ -159,9 +187,9 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
             writer.start(i + 1)
         else:
             writer.add_tokens(tokens * jax.process_count())
-        stop = terminated()  # read once: a signal between two reads must not skip the save
-        if jax.process_count() > 1:  # every process stops at the same step, or none does
-            stop = bool(multihost_utils.process_allgather(np.asarray(stop)).any())
+        # Read once: a signal between two reads must not skip the save. Every process stops
+        # at the same step, or none does.
+        stop = _anywhere(bool(stopped()))
         last = i + 1 == run.train_steps or stop
         if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -176,8 +204,10 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
             pending = []
             with writer.timing("checkpoint"):
                 checkpoints.save(i + 1, state, batches, config, force=True)
+            saved = i + 1
         if stop:
-            print(f"SIGTERM: saved step {i + 1}; rerun the same command to resume", flush=True)
+            name = stopped() or "another process's signal"
+            print(f"{name}: saved step {i + 1}; rerun the same command to resume", flush=True)
             break
     return row
 
@@ -194,12 +224,48 @@ def _nonfinite(pending: list, skip: bool) -> int:
     return 1
 
 
-def _on_sigterm():
-    """A flag set by SIGTERM (what SLURM sends before a time limit or preemption)."""
-    import signal
-    import threading
+_STOP: dict[str, str] = {}  # the signal that asked this process to stop, by name
 
-    flag = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: flag.set())
-    return flag.is_set
+
+def _ask_to_stop(signum: int, _frame) -> None:
+    name = signal.Signals(signum).name
+    if name == "SIGINT" and _STOP.get("name") == "SIGINT":
+        raise KeyboardInterrupt
+    if "name" not in _STOP:
+        print(f"{name}: stopping after the step in flight, saving it", file=sys.stderr, flush=True)
+    _STOP.setdefault("name", name)
+
+
+@contextlib.contextmanager
+def stopping_on_signals():
+    """SIGTERM (what SLURM sends before a time limit or preemption) and a first SIGINT (Ctrl-C)
+    ask the run to stop after the step in flight, saving it; a second SIGINT stops at once.
+    The command enters this first thing, so that a signal during start-up or the first compile
+    is kept rather than killing the process mid-write; the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _STOP.clear()
+    previous = {sig: signal.signal(sig, _ask_to_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stopped() -> str:
+    """The name of the signal that asked the run to stop ('' while none has)."""
+    return _STOP.get("name", "")
+
+
+def _anywhere(flag: bool) -> bool:
+    """Whether `flag` holds on any process (all of them learn it)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.asarray(flag)).any())
