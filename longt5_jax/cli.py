@@ -53,6 +53,20 @@ def positive(text: str) -> int:
     return value
 
 
+def out_dir(text: str) -> str:
+    """An output directory that is one or can be made, checked before any work (a benchmark
+    would find out after minutes of it)."""
+    path = Path(text).absolute()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    ancestor = next(p for p in (path, *path.parents) if p.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"{text} cannot be made: {ancestor} is not a writable directory"
+        )
+    return text
+
+
 def new_file(text: str) -> Path:
     """An argparse type: a file to write, whose directory exists; an existing directory is
     refused before any work starts."""

@@ -8,13 +8,14 @@ input lengths on this machine and reports how fast.
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 
 import flax.linen as nn
 import jax
 import numpy as np
 
+from longt5_jax import cli
 from longt5_jax.infer.decode import greedy_decode
 from longt5_jax.model import LongT5, LongT5Config, count_params
 
@@ -27,8 +28,14 @@ def _timed(label: str, fn, *args):
     return out, seconds
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    parser = cli.ArgumentParser(
+        prog="python -m longt5_jax.demo", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--preset", default="small")
     parser.add_argument(
         "--attention", default="transient-global", choices=["local", "transient-global"]
@@ -73,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"{'decode throughput':<34}{tokens.size / seconds:9.0f} tokens/s")
     print("first decoded ids:", np.asarray(tokens)[0, :16].tolist())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -51,6 +51,14 @@ def read_documents(path: Path, field: str) -> list[tuple[str, str]]:
     """(id, text) of each document; one-line errors for what cannot be used."""
     if not path.is_file():
         raise DataError(f"{path}: no such file")
+    try:
+        return _documents(path, field)
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        byte = e.object[e.start]
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{byte:02x} is not UTF-8)") from None
+
+
+def _documents(path: Path, field: str) -> list[tuple[str, str]]:
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8", errors="strict")
         if not text.strip():

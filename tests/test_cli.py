@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from longt5_jax.bench import __main__ as bench_main
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,3 +233,21 @@ def test_a_damaged_checkpoint_is_one_line_without_orbax_noise(short_run, cache, 
     assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"error: {run}/checkpoints/1: unreadable"), lines[0]
     assert proc.returncode == 2 and _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", sorted(bench_main.BENCHMARKS))
+def test_every_benchmark_refuses_an_output_directory_before_any_work(name, tmp_path, capsys):
+    """A file as --out_dir, or a directory under a file: one line before anything runs (the
+    report would otherwise fail to be written after minutes of measuring)."""
+    blocker = tmp_path / "report.json"
+    blocker.write_text("{}")
+    for out, why in (
+        (blocker, f"{blocker} exists and is not a directory"),
+        (blocker / "sub", f"{blocker}/sub cannot be made: {blocker} is not a writable directory"),
+    ):
+        assert bench_main.main([name, "--out_dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert err[0].startswith(f"error: python -m longt5_jax.bench {name}: argument --out_dir: ")
+        assert why in err[0]
+    assert blocker.read_text() == "{}"

@@ -142,10 +142,11 @@ def test_every_process_of_a_refused_multi_process_run_says_so(tmp_path, env):
     finally:
         holder.kill()
         holder.wait()
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout
-    refusals = [line for line in proc.stdout.splitlines() if "error: " in line]
-    assert sorted(line[:6] for line in refusals) == ["[0/2] ", "[1/2] "], proc.stdout
-    assert all(f"is in use by pid {holder.pid}" in line for line in refusals), proc.stdout
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[launcher] ")]
+    assert sorted(line[:13] for line in lines) == ["[0/2] error: ", "[1/2] error: "], proc.stderr
+    assert all(f"is in use by pid {holder.pid}" in line for line in lines), proc.stderr
+    assert "error" not in proc.stdout
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["train.lock"]
 
 
@@ -227,6 +228,10 @@ CASES = {
         [*PREDICT, "--output={d}/docs.jsonl"],
         "--output {d}/docs.jsonl is --input {d}/docs.jsonl, which this command reads",
     ),
+    "predict of a binary file": (
+        [*PREDICT[:3], "--input={d}/binary.txt", "--output={d}/out.jsonl"],
+        "{d}/binary.txt: not UTF-8 text (byte 0xff is not UTF-8)",
+    ),
     "predict --output is a link to --input": (
         [*PREDICT, "--output={d}/link.jsonl"],
         "--output {d}/link.jsonl is --input {d}/docs.jsonl",
@@ -293,6 +298,7 @@ def _prepare(d: Path, name: str, run: Path, other: Path) -> None:
         (d / "run" / "run.json").unlink()
     (d / "docs.jsonl").write_text('{"id": "1", "article": "one short document"}\n')
     (d / "link.jsonl").symlink_to(d / "docs.jsonl")
+    (d / "binary.txt").write_bytes(b"\xff\xfe\x00 not text")
     (d / "val_predictions.jsonl").write_text('{"article": "a document", "abstract": "a b"}\n')
     shutil.copy(other, d / "other.model")
     (d / "hf").mkdir()

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
@@ -35,7 +36,7 @@ ROWS = ["base:4096", "large:4096", "xl:4096", "xl:8192"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench cluster", description=__doc__.splitlines()[0]
     )
     targets.add_cluster_arguments(p, cpu=True)
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm_gbps", type=float, help="per GPU (default: the target's)")
     p.add_argument("--intra_node_gbps", type=float, help="per GPU (default: the target's NVLink)")
     p.add_argument("--inter_node_gbps", type=float, help="per GPU (default: the target's NIC)")
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p
 
 

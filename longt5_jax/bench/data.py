@@ -8,7 +8,6 @@ ratio says how many such steps the loader could feed.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longt5_jax import cli
 from longt5_jax.bench.report import write_json
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
 from longt5_jax.model import LongT5, LongT5Config
@@ -67,7 +67,9 @@ def step_rate(config: LongT5Config, input_length: int, target_length: int, repea
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(
+        prog="python -m longt5_jax.bench data", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--input_lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--target_length", type=int, default=512)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="small", help="preset of the reference step")
     parser.add_argument("--step_repeats", type=int, default=3)
-    parser.add_argument("--out_dir", default="bench_out")
+    parser.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = parser.parse_args(argv)
 
     base = DataConfig(

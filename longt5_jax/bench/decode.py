@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.report import write_json
 from longt5_jax.infer.decode import DecodeConfig, generate
@@ -22,7 +23,7 @@ from longt5_jax.model import LongT5, LongT5Config
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m longt5_jax.bench decode", description=__doc__)
+    p = cli.ArgumentParser(prog="python -m longt5_jax.bench decode", description=__doc__)
     p.add_argument("--preset", default="small")
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--input_length", type=int, default=4096)
@@ -31,7 +32,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--beams", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no_reference", action="store_true", help="skip transformers")
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p.parse_args(argv)
 
 

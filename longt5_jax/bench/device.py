@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
@@ -45,7 +46,7 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench device", description=__doc__.splitlines()[0]
     )
     add_step_arguments(p, CASES, "what the deviceless compile targets")
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument(
         "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"
     )

@@ -13,7 +13,6 @@ they are interpreted (use small cases there).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import statistics
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench kernels", description=__doc__.splitlines()[0]
     )
     p.add_argument("--cases", nargs="+", default=CASES, help=CASES[0])
@@ -316,7 +315,7 @@ def _main(argv: list[str]) -> int:
         help="Triton launch settings to time, PATTERN=WARPS:STAGES[,...] each (the first is "
         "checked; '' is the default)",
     )
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = p.parse_args(argv)
     for case in args.cases:
         parse_case(case)

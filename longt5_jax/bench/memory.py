@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
@@ -41,7 +42,7 @@ GRID = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench memory", description=__doc__.splitlines()[0]
     )
     targets.add_cluster_arguments(p)
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
     p.add_argument("--fit", action="store_true", help="refit the calibration on this grid")
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.plan import targets
 
@@ -27,7 +28,7 @@ MODES = ("none", "optimizer", "optimizer_and_params")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench offload", description=__doc__.splitlines()[0]
     )
     targets.add_cluster_arguments(p)
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu_lengths", type=int, nargs=2, default=[256, 64])
     p.add_argument("--cpu_batch", type=int, default=8)
     p.add_argument("--cpu_steps", type=int, default=6, help="timed steps per setting (0: skip)")
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p
 
 

@@ -99,7 +99,9 @@ def _row(plan: MeshConfig, piped: _Timed, reference: _Timed) -> dict:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(
+        prog="python -m longt5_jax.bench pipeline", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatch_factors", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2])
@@ -109,7 +111,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d_model", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
-    parser.add_argument("--out_dir", default="bench_out")
+    parser.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return parser.parse_args(argv)
 
 

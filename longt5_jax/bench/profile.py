@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 
+from longt5_jax import cli
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import write_json
 from longt5_jax.model import LongT5Config
@@ -28,7 +29,7 @@ _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m longt5_jax.bench profile", description=__doc__)
+    p = cli.ArgumentParser(prog="python -m longt5_jax.bench profile", description=__doc__)
     p.add_argument("--preset", default="small")
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--dtype", default="float32")
@@ -38,7 +39,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target_length", type=int, default=256)
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--top", type=int, default=20, help="ops listed one by one")
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p.parse_args(argv)
 
 

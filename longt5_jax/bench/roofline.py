@@ -57,7 +57,7 @@ def _parser() -> cli.ArgumentParser:
     )
     device.add_step_arguments(p, CASES, "a100-80gb, h100-80gb or a file", cli.positive)
     p.add_argument("--top", type=cli.positive, default=10, help="groups listed per case")
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p

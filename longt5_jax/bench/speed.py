@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 
+from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import pyplot, save_figure, write_json
@@ -29,7 +30,7 @@ from longt5_jax.plan import flops
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m longt5_jax.bench speed", description=__doc__)
+    p = cli.ArgumentParser(prog="python -m longt5_jax.bench speed", description=__doc__)
     p.add_argument("--preset", default="small")
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--dtype", default="float32", help="the model's activation dtype")
@@ -55,7 +56,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scaling_reference", type=int, default=4096)
     p.add_argument("--scaling_steps", type=int, default=2, help="timed pairs per length")
     p.add_argument("--peak_size", type=int, default=2048)
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p.parse_args(argv)
 
 

@@ -165,7 +165,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench strategy", description=__doc__.splitlines()[0]
     )
     p.add_argument("--model", default="tiny", help="preset: tiny, small, base, large, xl")
@@ -189,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--efficiency", dest="mfu", type=float, default=0.4, help="assumed fraction of peak"
     )
-    p.add_argument("--out_dir", default="bench_out")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p
 
 

@@ -4,7 +4,8 @@
         --gin_file=configs/demo.gin --gin.MODEL_DIR="'/tmp/demo2'"
 
 Each process is `python -m longt5_jax.train <arguments>` with K fake CPU devices, joined over
-127.0.0.1 (gloo collectives). Output lines carry `[i/N]`; SIGINT and SIGTERM go to every
+127.0.0.1 (gloo collectives). Output lines carry `[i/N]` (stdout to stdout, stderr to
+stderr); SIGINT and SIGTERM go to every
 process; if one fails the others are stopped, and the launcher exits with the first failure's
 status (0 when all succeed).
 """
@@ -28,11 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _relay(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
-    for line in proc.stdout:
+def _relay(lines, out, prefix: str, lock: threading.Lock) -> None:
+    """A process's stdout or stderr line by line to ours, each line prefixed."""
+    for line in lines:
         with lock:
-            sys.stdout.write(prefix + line)
-            sys.stdout.flush()
+            out.write(prefix + line)
+            out.flush()
 
 
 def _watch(procs: list[subprocess.Popen], lock: threading.Lock, grace_s: float) -> int:
@@ -43,12 +45,16 @@ def _watch(procs: list[subprocess.Popen], lock: threading.Lock, grace_s: float) 
         failed = [p for p in procs if p.poll() not in (None, 0)]
         if failed and not status:
             status = failed[0].returncode
+            # Exits 1 and 2 have said why in one line of their own; anything else (a signal, a
+            # crash) has not.
             with lock:
-                print(
-                    f"[launcher] process {procs.index(failed[0])} exited with {status}; "
-                    "stopping the others",
-                    flush=True,
-                )
+                if status not in (1, 2):
+                    print(
+                        f"[launcher] process {procs.index(failed[0])} exited with {status}; "
+                        "stopping the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
@@ -85,7 +91,7 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
                 f"--process_id={i}",
             ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
@@ -93,8 +99,11 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
     ]
     lock = threading.Lock()
     relays = [
-        threading.Thread(target=_relay, args=(p, f"[{i}/{num_processes}] ", lock), daemon=True)
+        threading.Thread(
+            target=_relay, args=(lines, out, f"[{i}/{num_processes}] ", lock), daemon=True
+        )
         for i, p in enumerate(procs)
+        for lines, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))
     ]
     for t in relays:
         t.start()

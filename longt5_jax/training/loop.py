@@ -231,7 +231,7 @@ def _ask_to_stop(signum: int, _frame) -> None:
     name = signal.Signals(signum).name
     if name == "SIGINT" and _STOP.get("name") == "SIGINT":
         raise KeyboardInterrupt
-    if "name" not in _STOP:
+    if name == "SIGINT" and "name" not in _STOP:  # someone at a terminal: say it was heard
         print(f"{name}: stopping after the step in flight, saving it", file=sys.stderr, flush=True)
     _STOP.setdefault("name", name)
 
