@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import json
 import logging
+import os
 import pickle
 import re
 import statistics
@@ -225,6 +226,12 @@ def test_array_record_bad_files_and_records_are_named(tmp_path: Path) -> None:
         source[1]
     with pytest.raises(DataError, match=rf"{path}: record 2: field 'abstract' missing"):
         source[2]
+    # A file cut short (a copy that did not finish): its reader says nothing; we say what it is.
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(
+        DataError, match=r"not a readable ArrayRecord file \(truncated or corrupt\)"
+    ):
+        ArrayRecordSource(str(path))
 
 
 def test_open_source_rejects_bad_paths_and_formats(tmp_path: Path) -> None:

@@ -322,8 +322,9 @@ def _count_array_records(path: str) -> int:
             return reader.num_records()
         finally:
             reader.close()
-    except RuntimeError as e:
-        raise DataError(f"{path}: not a readable ArrayRecord file ({e or 'truncated?'})") from e
+    except RuntimeError as e:  # a truncated file's reader fails with an empty message
+        why = str(e).strip().splitlines()[0] if str(e).strip() else "truncated or corrupt"
+        raise DataError(f"{path}: not a readable ArrayRecord file ({why})") from None
 
 
 class ArrayRecordSource(_MultiFileSource):
