@@ -476,3 +476,30 @@ def test_five_kills_anywhere_then_rerun_log_the_uninterrupted_losses_bitwise(tmp
     want = [(r["step"], r["loss"], r["grad_norm"]) for r in _rows(whole)]
     got = [(r["step"], r["loss"], r["grad_norm"]) for r in _rows(killed)]
     assert got == want, (seed, kills)
+
+
+def test_a_checkpoint_removed_while_it_is_read_is_not_called_damaged(run, tmp_path, monkeypatch):
+    """A reader (evaluate, predict, ckpt) of a live run's newest checkpoint, which the run
+    removes as it saves newer ones (keep): the read fails for real, and the one line says the
+    step went away, not that the checkpoint is corrupt."""
+    from longt5_jax.formats import native
+
+    model_dir = tmp_path / "run"
+    shutil.copytree(run, model_dir)
+    step_dir = resolve(model_dir)
+    original = ocp.PyTreeCheckpointer.restore
+
+    def removed_under_the_reader(self, *args, **kwargs):
+        shutil.rmtree(step_dir)  # what the run's clean-up does between our reads
+        return original(self, *args, **kwargs)
+
+    saved = native.saved_tree(step_dir)["params"]
+    params = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", removed_under_the_reader)
+    with pytest.raises(native.CheckpointError) as raised:
+        native.restore_params(step_dir, params)
+    assert not isinstance(raised.value, native.DamagedCheckpoint)
+    assert str(raised.value) == (
+        f"{step_dir}: removed while it was read (a running job keeps only its newest "
+        "checkpoints); rerun to read the newest"
+    )

@@ -37,6 +37,17 @@ class ArrayInfo:
     sharding: str  # as saved: the partition spec and mesh, or 'single device'
 
 
+def damaged(where: Path, step_dir: Path, why: str) -> CheckpointError:
+    """A read of `step_dir` failed: damaged, or removed under the reader by the run that wrote
+    it (a run keeps only its newest checkpoints), which a rerun reads past."""
+    if not step_dir.exists():
+        return CheckpointError(
+            f"{step_dir}: removed while it was read (a running job keeps only its newest "
+            "checkpoints); rerun to read the newest"
+        )
+    return DamagedCheckpoint(f"{where}: {why}")
+
+
 def unreadable(e: Exception) -> str:
     """One line for a read error: tensorstore's own reason (it names the array), not orbax's."""
     while e.__cause__ is not None or e.__context__ is not None:
@@ -133,7 +144,7 @@ def saved_tree(step_dir: Path, item: str = "state") -> Any:
     try:  # the handler itself: orbax's Checkpointer.metadata turns read errors into None
         tree = ocp.PyTreeCheckpointHandler().metadata(step_dir / item)
     except (ValueError, TypeError, KeyError, OSError) as e:
-        raise DamagedCheckpoint(f"{step_dir / item}: metadata {unreadable(e)}") from None
+        raise damaged(step_dir / item, step_dir, f"metadata {unreadable(e)}") from None
     return getattr(tree, "tree", tree)
 
 
@@ -154,7 +165,7 @@ def _check_store(item_dir: Path) -> None:
             if key.endswith(b"/.zarray"):
                 json.loads(store.read(key).result().value)
     except (ValueError, OSError) as e:
-        raise DamagedCheckpoint(f"{item_dir}: metadata {unreadable(e)}") from None
+        raise damaged(item_dir, item_dir.parent, f"metadata {unreadable(e)}") from None
 
 
 def array_infos(step_dir: Path, item: str = "state", tree: Any = None) -> dict[str, ArrayInfo]:
@@ -220,7 +231,7 @@ def restore_params(path: str | Path, abstract_params: Any) -> Any:
             step_dir / "state", args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
         )
     except Exception as e:  # orbax passes on tensorstore's read errors as bare Exceptions
-        raise DamagedCheckpoint(f"{step_dir}: {unreadable(e)}") from None
+        raise damaged(step_dir, step_dir, unreadable(e)) from None
     return out["params"]
 
 
@@ -230,6 +241,8 @@ def saved_config(step_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
+        if not step_dir.exists():
+            raise damaged(path, step_dir, "") from None
         raise CheckpointError(f"{path}: no readable saved config ({e})") from None
 
 
