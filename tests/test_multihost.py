@@ -71,11 +71,14 @@ def test_bad_distributed_flags_are_one_line_errors(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_the_launcher_reports_a_failure_and_its_status(capsys):
+def test_the_launcher_reports_a_failure_and_its_status(capfd):
+    """Each process's one line reaches stderr with its prefix, and nothing else is said."""
     code = local.launch(2, 2, ["--gin_file=configs/missing.gin"])
-    out = capsys.readouterr().out
-    assert code == 2 and "[0/2] error: configs/missing.gin: gin file not found" in out
-    assert "[1/2] error:" in out
+    out, err = capfd.readouterr()
+    assert code == 2 and not out.strip()
+    assert sorted(err.strip().splitlines()) == [
+        f"[{i}/2] error: configs/missing.gin: gin file not found" for i in range(2)
+    ]
 
 
 def launch_local(processes: int, *args) -> str:

@@ -1,10 +1,13 @@
 """Which process this is: one process, explicit flags, or a SLURM step; JAX's runtime joined.
 
 Under `srun` (SLURM_JOB_ID and SLURM_STEP_NODELIST set, SLURM_NTASKS > 1) every task is one
-process with one GPU (its SLURM_LOCALID); the coordinator is the step's first node. Explicit
-`--coordinator_address/--num_processes/--process_id` take precedence, and without either this
-is a single process. A process that dies is noticed by the others through the coordination
-service's heartbeats, which stops them (non-zero) instead of leaving them in a collective.
+process on the devices SLURM gave it: the GPUs it sees (with `--gpus-per-task`), its share of
+the node's GPUs by SLURM_LOCALID (GPUs given per node), or without GPUs one fake CPU device per
+CPU of the task (SLURM_CPUS_PER_TASK; unset, RunConfig.cpu_devices). The coordinator is the
+step's first node. Explicit `--coordinator_address/--num_processes/--process_id` take
+precedence, and without either this is a single process. A process that dies is noticed by
+the others through the coordination service's heartbeats, which stops them (non-zero) instead
+of leaving them in a collective.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Processes:
     process_id: int
     local_device_ids: tuple[int, ...] | None = None  # accelerators this process uses
     source: str = "flags"
+    cpu_devices: int = 0  # fake CPU devices of a task SLURM gave no GPU (0: the config's)
 
     def __post_init__(self):
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
@@ -82,14 +86,47 @@ def detect(flags: Mapping[str, str], env: Mapping[str, str] = os.environ) -> Pro
         if ntasks == 1:
             return None
         port = PORT + int(env["SLURM_JOB_ID"]) % 1000
+        gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
         return Processes(
             f"{first_host(env['SLURM_STEP_NODELIST'])}:{port}",
             ntasks,
             int(env.get("SLURM_PROCID", "0")),
-            (int(env.get("SLURM_LOCALID", "0")),),
+            _slurm_gpus(len(gpus), env),
             source="slurm",
+            cpu_devices=0 if gpus else int(env.get("SLURM_CPUS_PER_TASK", "0")),
         )
     return None
+
+
+def _slurm_gpus(visible: int, env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The local GPU ids of this task: None (all it sees) when SLURM bound GPUs to the task,
+    else its SLURM_LOCALID-th share of the node's (every task on the node sees them all)."""
+    local = int(env.get("SLURM_LOCALID", "0"))
+    if not visible:  # SLURM manages no GPUs here: GPU number SLURM_LOCALID, if there are any
+        return (local,)
+    bound = "SLURM_GPUS_PER_TASK" in env or visible < int(env.get("SLURM_GPUS_ON_NODE", visible))
+    tasks = tasks_on_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE", "1"), int(env.get("SLURM_NODEID", "0"))
+    )
+    if bound or tasks == 1:
+        return None
+    share = visible // tasks
+    if share == 0:
+        raise ValueError(
+            f"{tasks} tasks on a node share {visible} GPUs: ask SLURM for --gpus-per-task"
+        )
+    return tuple(range(local * share, (local + 1) * share))
+
+
+def tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """The task count of node `node` from SLURM's compressed list: '4(x2),3' -> 4, 4, 3."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}: not a task list")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts[node]
 
 
 def initialize(processes: Processes | None, cpu_devices: int, heartbeat_s: int = 20) -> None:
@@ -98,9 +135,17 @@ def initialize(processes: Processes | None, cpu_devices: int, heartbeat_s: int =
         return
     import jax
 
-    on_cpu = jax.config.jax_platforms in (None, "", "cpu") and cpu_devices > 0
+    from longt5_jax.cli import cpu_devices as use_cpu_devices
+
+    use_cpu_devices(processes.cpu_devices)  # the allocation's count wins over the config's
+    on_cpu = (
+        jax.config.jax_platforms in (None, "", "cpu") and (processes.cpu_devices or cpu_devices) > 0
+    )
     if on_cpu:  # fake CPU devices per process, reduced over gloo across processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service installs its own SIGTERM handler here, over the run's: SIGTERM
+    # would never reach the training loop, which stops every process at one step and saves it.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             processes.coordinator_address,
