@@ -6,6 +6,7 @@ Reads like its table of contents; `python -m longt5_jax.train` configures it and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import sys
 import threading
@@ -20,7 +21,6 @@ def train(cfg: dict) -> dict:
 
     from longt5_jax import configuration
     from longt5_jax.data.pipeline import make_dataset
-    from longt5_jax.formats.native import resolve, restore_params
     from longt5_jax.infer.evaluation import PeriodicEval
     from longt5_jax.model import LongT5, count_params
     from longt5_jax.parallel.mesh import make_mesh
@@ -50,15 +50,7 @@ def train(cfg: dict) -> dict:
     evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step).open()
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
-        # A resumed run never initialises: the restore fills the state's shapes in place.
-        start, state = checkpoints.resume(step.abstract_state, batches)
-        note = f"resumed from step {start} in {model_dir / 'checkpoints'}" if start else ""
-        if not start:
-            state = step.init(jax.random.key(run.seed))
-            if cfg["ckpt"].init_from:
-                source = resolve(cfg["ckpt"].init_from)
-                state = state.replace(params=restore_params(source, step.abstract_state.params))
-                note = f"parameters from {source}; optimizer and step start anew"
+        start, state, note = _first_state(cfg, step, checkpoints, batches)
         if _anywhere(bool(stopped())):  # during start-up: nothing trained, nothing written
             print(f"{stopped()}: stopped before step {start + 1}; nothing new to save", flush=True)
             return {}
@@ -75,6 +67,25 @@ def train(cfg: dict) -> dict:
             writer.close()
     finally:
         checkpoints.close()
+
+
+def _first_state(cfg: dict, step, checkpoints, batches) -> tuple:
+    """(step, state, what to say of it): the newest checkpoint's, or a fresh state (with
+    `init_from`'s parameters if set)."""
+    import jax
+
+    from longt5_jax.formats.native import resolve, restore_params
+
+    # A resumed run never initialises: the restore fills the state's shapes in place.
+    start, state = checkpoints.resume(step.abstract_state, batches)
+    if start:
+        return start, state, f"resumed from step {start} in {cfg['run'].model_dir}/checkpoints"
+    state = step.init(jax.random.key(cfg["run"].seed))
+    if not cfg["ckpt"].init_from:
+        return 0, state, ""
+    source = resolve(cfg["ckpt"].init_from)
+    state = state.replace(params=restore_params(source, step.abstract_state.params))
+    return 0, state, f"parameters from {source}; optimizer and step start anew"
 
 
 def _tokenizer(cfg: dict) -> tuple:
@@ -140,11 +151,18 @@ class NonFiniteError(RunFault):
 class DataExhausted(RunFault):
     """The training data ran out (a finite number of epochs) before the last step."""
 
+    @classmethod
+    def after(cls, step: int, cfg: dict) -> DataExhausted:
+        kept = f"step {step} is saved" if step else "no step was trained"
+        return cls(
+            f"the training data ran out after step {step} of {cfg['run'].train_steps} "
+            f"(DataConfig.num_epochs={cfg['data'].num_epochs}); {kept}: rerun with more data, "
+            f"more epochs or RunConfig.train_steps <= {step}"
+        )
+
 
 def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, evaluate) -> dict:
     """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
-    import dataclasses
-
     import jax
 
     from longt5_jax import configuration
@@ -154,10 +172,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
 
     run, skip = cfg["run"], cfg["step"].skip_nonfinite
     rng = jax.random.key(run.seed + 1) if cfg["model"].dropout_rate > 0 else None
-    config = {
-        "gin": configuration.operative_config(),
-        "model": dataclasses.asdict(cfg["model"]),
-    }
+    config = {"gin": configuration.operative_config(), "model": dataclasses.asdict(cfg["model"])}
     profiler = StepProfiler(run.model_dir, run.profile_start, run.profile_steps)
     row, bad_steps, pending, saved = {}, 0, [], start
     for i in range(start, run.train_steps):
@@ -167,12 +182,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
             if i > saved:
                 _nonfinite(pending, skip)
                 checkpoints.save(i, state, batches, config, force=True)
-            kept = f"step {i} is saved" if i else "no step was trained"
-            raise DataExhausted(
-                f"the training data ran out after step {i} of {run.train_steps} "
-                f"(DataConfig.num_epochs={cfg['data'].num_epochs}); {kept}: rerun with more "
-                f"data, more epochs or RunConfig.train_steps <= {i}"
-            )
+            raise DataExhausted.after(i, cfg)
         profiler.before(i + 1)
         # Counted on the host copy: reading the global arrays would stall the step pipeline.
         tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
@@ -193,9 +203,10 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
         last = i + 1 == run.train_steps or stop
         if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            values["learning_rate"] = learning_rate_at(cfg["optim"], i)
             values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
-            row = writer.write(i + 1, values)
+            row = writer.write(
+                i + 1, {**values, "learning_rate": learning_rate_at(cfg["optim"], i)}
+            )
         if evaluate.due(i + 1):
             with writer.paused():
                 writer.write_eval(i + 1, evaluate(i + 1, state.params))
