@@ -154,11 +154,10 @@ class PeriodicEval:
         self.tokenizer, self.step = tokenizer, step
         self._examples: list[Example] | None = None
 
-    def open(self) -> PeriodicEval:
-        """Read the eval examples now, if any eval is due ever: a missing or bad eval file is
-        a start-up error, not one at the first eval."""
-        c = self.cfg
-        if c.loss_every or c.rouge_every:
+    def open(self, train_steps: int) -> PeriodicEval:
+        """Read the eval examples now, if an eval falls within `train_steps`: a missing or bad
+        eval file is a start-up error, not one at the first eval."""
+        if any(n and n <= train_steps for n in (self.cfg.loss_every, self.cfg.rouge_every)):
             self._load(0)
         return self
 

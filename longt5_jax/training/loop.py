@@ -47,7 +47,9 @@ def train(cfg: dict) -> dict:
     # Every start-up check before anything is written to MODEL_DIR: the metrics port, the eval
     # data, the checkpoints to resume (a run that cannot start leaves MODEL_DIR as it was).
     exporter = _exporter(cfg)
-    evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step).open()
+    evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step).open(
+        run.train_steps
+    )
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
         start, state, note = _first_state(cfg, step, checkpoints, batches)
