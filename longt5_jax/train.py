@@ -41,8 +41,10 @@ def _train(argv: list[str]) -> int:
         raise configuration.ConfigError(
             f"MODEL_DIR={str(model_dir)!r}: a file, expected a directory"
         )
-    cli.cpu_devices(cfg["run"].cpu_devices)
-    distributed.initialize(processes, cfg["run"].cpu_devices)
+    # A SLURM task without GPUs has as many devices as CPUs allocated; otherwise the config's.
+    devices = (processes and processes.cpu_devices) or cfg["run"].cpu_devices
+    cli.cpu_devices(devices)
+    distributed.initialize(processes, devices)
     import jax
 
     from longt5_jax.parallel.mesh import check_fits

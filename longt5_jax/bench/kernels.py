@@ -36,9 +36,8 @@ TARGETS = 512  # the decoder's queries in a `decoder` case
 def parse_case(text: str) -> tuple[str, str, int, int, bool]:
     parts = text.split(":")
     ok = len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit()
-    if not ok or parts[4] not in ("padded", "packed"):
-        ok = False
-    if not ok or parts[1] not in ("tglobal", "local", "decoder"):
+    ok = ok and parts[1] in ("tglobal", "local", "decoder") and parts[4] in ("padded", "packed")
+    if not ok:
         raise cli.UsageError(
             f"--cases {text!r}: expected MODEL:tglobal|local|decoder:LENGTH:BATCH:padded|packed"
         )

@@ -29,8 +29,10 @@ from longt5_jax.formats.native import (
     check_tree,
     is_complete,
     quiet_failed_reads,
+    step_dirs,
     unreadable,
 )
+from longt5_jax.training.distributed import agree
 
 
 class DiskFull(RunFault):
@@ -139,7 +141,7 @@ class Checkpoints:
                 error, state = None, self.restore(step, abstract_state, data_iterator)
             except DamagedCheckpoint as e:
                 error, state = str(e), None
-            if _everywhere(error is None):
+            if agree(error is None):
                 for bad, why in damaged.items():
                     self._set_aside(bad)
                     if jax.process_index() == 0:
@@ -193,10 +195,10 @@ class Checkpoints:
         if jax.process_index() == 0:
             for partial in directory.glob(f"{step}.*orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
-        complete = [int(p.name) for p in directory.iterdir() if p.name.isdigit() and is_complete(p)]
+        complete = [p.name for p in step_dirs(directory) if is_complete(p)]
         free = shutil.disk_usage(directory).free
         last = (
-            f"step {max(complete)} is the last complete checkpoint" if complete else "no step saved"
+            f"step {complete[-1]} is the last complete checkpoint" if complete else "no step saved"
         )
         return DiskFull(
             f"{directory}: no space left on device saving step {step} (about "
@@ -212,13 +214,3 @@ def _no_space(e: BaseException | None) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
-
-
-def _everywhere(ok: bool) -> bool:
-    """Whether `ok` holds on every process."""
-    if jax.process_count() == 1:
-        return ok
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.asarray(ok)).all())

@@ -135,12 +135,7 @@ def initialize(processes: Processes | None, cpu_devices: int, heartbeat_s: int =
         return
     import jax
 
-    from longt5_jax.cli import cpu_devices as use_cpu_devices
-
-    use_cpu_devices(processes.cpu_devices)  # the allocation's count wins over the config's
-    on_cpu = (
-        jax.config.jax_platforms in (None, "", "cpu") and (processes.cpu_devices or cpu_devices) > 0
-    )
+    on_cpu = jax.config.jax_platforms in (None, "", "cpu") and cpu_devices > 0
     if on_cpu:  # fake CPU devices per process, reduced over gloo across processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service installs its own SIGTERM handler here, over the run's: SIGTERM
@@ -184,3 +179,15 @@ class _Prefixed:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+def agree(flag: bool, combine=all) -> bool:
+    """`combine` (all or any) of `flag` over every process; each process learns the answer."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(combine(multihost_utils.process_allgather(np.asarray(flag))))

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from longt5_jax.cli import RunFault
+from longt5_jax.training.distributed import agree
 
 
 def train(cfg: dict) -> dict:
@@ -53,7 +54,7 @@ def train(cfg: dict) -> dict:
     checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
     try:
         start, state, note = _first_state(cfg, step, checkpoints, batches)
-        if _anywhere(bool(stopped())):  # during start-up: nothing trained, nothing written
+        if agree(bool(stopped()), any):  # during start-up: nothing trained, nothing written
             print(f"{stopped()}: stopped before step {start + 1}; nothing new to save", flush=True)
             return {}
         if jax.process_index() == 0:
@@ -201,7 +202,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
             writer.add_tokens(tokens * jax.process_count())
         # Read once: a signal between two reads must not skip the save. Every process stops
         # at the same step, or none does.
-        stop = _anywhere(bool(stopped()))
+        stop = agree(bool(stopped()), any)
         last = i + 1 == run.train_steps or stop
         if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -270,15 +271,3 @@ def stopping_on_signals():
 def stopped() -> str:
     """The name of the signal that asked the run to stop ('' while none has)."""
     return _STOP.get("name", "")
-
-
-def _anywhere(flag: bool) -> bool:
-    """Whether `flag` holds on any process (all of them learn it)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return flag
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.asarray(flag)).any())
