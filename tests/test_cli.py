@@ -251,3 +251,13 @@ def test_every_benchmark_refuses_an_output_directory_before_any_work(name, tmp_p
         assert err[0].startswith(f"error: python -m longt5_jax.bench {name}: argument --out_dir: ")
         assert why in err[0]
     assert blocker.read_text() == "{}"
+
+
+@pytest.mark.parametrize("name", ["device", "pipeline", "strategy"])
+def test_a_benchmark_with_no_timed_steps_is_refused_before_any_work(name, capsys):
+    assert bench_main.main([name, "--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: python -m longt5_jax.bench {name}: argument --steps: expected an integer >= 1, "
+        "got 0 (see --help)"
+    ]

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="also compile each case deviceless for --target (memory and roofline ratios)",
     )
-    p.add_argument("--steps", type=int, default=10, help="timed steps per case")
+    p.add_argument("--steps", type=cli.positive, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument(

@@ -110,7 +110,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target_length", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d_model", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
+    parser.add_argument(
+        "--steps", type=cli.positive, default=4, help="timed steps per configuration"
+    )
     parser.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return parser.parse_args(argv)
 

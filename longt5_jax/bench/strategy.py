@@ -175,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--input_length", type=int, default=512)
     p.add_argument("--target_length", type=int, default=64)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
+    p.add_argument("--steps", type=cli.positive, default=5, help="timed steps per strategy")
     targets.add_cluster_arguments(
         p,
         nodes=2,
