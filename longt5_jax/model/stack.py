@@ -17,10 +17,16 @@ from longt5_jax.model.config import LongT5Config
 
 
 class StackRunner(Protocol):
-    """Runs a layer stack a chunk of layers at a time: stage_fn(chunk_params, x, per_microbatch
-    rows, shared, chunk index) applies one chunk. `WholeStack` runs every layer as one chunk;
-    the pipeline (`parallel.pipeline.Pipeline`) is injected instead, so the model never knows
-    how the stack is split."""
+    """Runs a layer stack a chunk of layers at a time: stage_fn(chunk_params, x, rows, shared,
+    chunk index) applies one chunk. `WholeStack` runs every layer as one chunk; the pipeline
+    (`parallel.pipeline.Pipeline`) is injected instead, so the model never knows how the stack
+    is split.
+
+    `per_microbatch` and `shared` are the layer's other inputs as named pytrees (NamedTuples,
+    e.g. `transformer.EncoderRowInputs` and `EncoderSharedInputs`): a runner only maps over
+    their leaves, slicing every `per_microbatch` leaf along its leading batch axis to the rows
+    it hands `stage_fn` (same structure, same names) and passing `shared` whole.
+    """
 
     def chunk_length(self, held_layers: int, what: str) -> int: ...
 
@@ -86,7 +92,8 @@ def run(
     layers at a time.
 
     `call(apply, h, rows, shared)` applies a chunk of layers to `h` with the layer's arguments
-    (after the layer index) rebuilt from this microbatch's `rows` and the `shared` inputs.
+    (after the layer index) read by name from this microbatch's `rows` (`per_microbatch`'s
+    structure, its leaves sliced to the microbatch) and the `shared` inputs.
     """
     c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
     k = runner.chunk_length(held, f"{type(parent).__name__} layers")

@@ -6,7 +6,7 @@ Letter key: B batch, L encoder length, T decoder length, S key length, D embed, 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -23,9 +23,66 @@ from longt5_jax.model.layers import (
     truncated_normal_fan_in,
 )
 from longt5_jax.model.long_attention import (
+    GlobalBlocks,
     global_blocks,
     relative_positions_3block,
 )
+
+
+class EncoderRowInputs(NamedTuple):
+    """An encoder layer's inputs with a leading batch axis: a pipeline splits them into
+    microbatches that follow their rows through the stages."""
+
+    row_ids: jax.Array | None  # [B]; None when deterministic
+    segment_ids: jax.Array  # [B, L]
+    blocks: GlobalBlocks | None  # transient-global attention only
+
+
+class EncoderSharedInputs(NamedTuple):
+    """An encoder layer's inputs every row reads, whole on every stage."""
+
+    local_bias_HWX: jax.Array
+    side_table_HR: jax.Array | None  # transient-global attention only
+
+
+def _encoder_layer_args(rows: EncoderRowInputs, shared: EncoderSharedInputs) -> tuple:
+    """`EncoderLayer`'s arguments after the layer index, in its order."""
+    return (
+        rows.row_ids,
+        rows.segment_ids,
+        shared.local_bias_HWX,
+        rows.blocks,
+        shared.side_table_HR,
+    )
+
+
+class DecoderRowInputs(NamedTuple):
+    """A decoder layer's inputs with a leading batch axis (for a runner, the masks broadcast to
+    it): a pipeline splits them into microbatches that follow their rows through the stages."""
+
+    row_ids: jax.Array | None  # [B]; None when deterministic
+    encoded: jax.Array  # [B, L, D]
+    self_mask: jax.Array
+    cross_mask: jax.Array
+
+
+class DecoderSharedInputs(NamedTuple):
+    """A decoder layer's inputs every row reads, whole on every stage."""
+
+    self_bias_HTS: jax.Array
+    cache_index: jax.Array
+
+
+def _decoder_layer_args(rows: DecoderRowInputs, shared: DecoderSharedInputs) -> tuple:
+    """`DecoderLayer`'s arguments after the layer index and the cache, in its order."""
+    return (
+        rows.row_ids,
+        rows.encoded,
+        rows.self_mask,
+        shared.self_bias_HTS,
+        rows.cross_mask,
+        shared.cache_index,
+    )
 
 
 class Encoder(nn.Module):
@@ -58,23 +115,15 @@ class Encoder(nn.Module):
         layers = stack.scanned(
             EncoderLayer, c, c.num_encoder_layers, in_axes, deterministic, "layers"
         )
+        rows = EncoderRowInputs(row_ids, segment_ids, blocks)
+        shared = EncoderSharedInputs(local_bias_HWX, side_table_HR)
         if self.is_initializing():
-            x, _ = layers(
-                x,
-                jnp.arange(c.num_encoder_layers),
-                row_ids,
-                segment_ids,
-                local_bias_HWX,
-                blocks,
-                side_table_HR,
-            )
+            x, _ = layers(x, jnp.arange(c.num_encoder_layers), *_encoder_layer_args(rows, shared))
         else:
 
             def call(apply, h, rows, shared):
-                return apply(h, rows[0], rows[1], shared[0], rows[2], shared[1])
+                return apply(h, *_encoder_layer_args(rows, shared))
 
-            per_microbatch = (row_ids, segment_ids, blocks)
-            shared = (local_bias_HWX, side_table_HR)
             x = stack.run(
                 self,
                 layers,
@@ -84,7 +133,7 @@ class Encoder(nn.Module):
                 deterministic,
                 call,
                 x,
-                per_microbatch,
+                rows,
                 shared,
             )
         x = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="encoder_norm")(x)
@@ -115,18 +164,20 @@ class Decoder(nn.Module):
         layers = stack.scanned(
             DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers"
         )
+        shared = DecoderSharedInputs(bias_HTS, cache_index)
         if cache is not None or self.is_initializing():
-            rest = (cache, row_ids, encoded, self_mask, bias_HTS, cross_mask, cache_index)
-            y, cache = layers(y, jnp.arange(c.num_decoder_layers), *rest)
+            rows = DecoderRowInputs(row_ids, encoded, self_mask, cross_mask)
+            args = _decoder_layer_args(rows, shared)
+            y, cache = layers(y, jnp.arange(c.num_decoder_layers), cache, *args)
         else:  # training: the encoder output follows each microbatch to every stage
 
             def call(apply, h, rows, shared):
-                return apply(h, None, rows[0], rows[1], rows[2], shared[0], rows[3], shared[1])
+                return apply(h, None, *_decoder_layer_args(rows, shared))
 
-            b = y.shape[0]
-            per_microbatch = (row_ids, encoded) + tuple(
-                jnp.broadcast_to(m, (b, *m.shape[1:])) for m in (self_mask, cross_mask)
-            )
+            def per_row(mask):  # split into microbatches with the rows it masks
+                return jnp.broadcast_to(mask, (y.shape[0], *mask.shape[1:]))
+
+            rows = DecoderRowInputs(row_ids, encoded, per_row(self_mask), per_row(cross_mask))
             y = stack.run(
                 self,
                 layers,
@@ -136,8 +187,8 @@ class Decoder(nn.Module):
                 deterministic,
                 call,
                 y,
-                per_microbatch,
-                (bias_HTS, cache_index),
+                rows,
+                shared,
             )
         y = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="decoder_norm")(y)
         y = Dropout(c.dropout_rate, deterministic)(y, rows_of(row_ids))

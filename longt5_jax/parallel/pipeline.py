@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-# stage_fn(chunk_params [k, ...], x [mb, ...], per_microbatch slice, shared, chunk index)
+# stage_fn(chunk_params [k, ...], x [mb, ...], per_microbatch slice, shared, chunk index); the
+# slice keeps per_microbatch's structure (the model's named inputs), its leaves cut to [mb, ...].
 StageFn = Callable[[Any, jax.Array, Any, Any, jax.Array], jax.Array]
 
 
