@@ -13,7 +13,6 @@ cut down or silenced before any of it starts.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import re
@@ -23,15 +22,9 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
+from longt5_jax.errors import RunFault, UsageError
+
 _PACKAGE = str(Path(__file__).resolve().parent)
-
-
-class UsageError(ValueError):
-    """Bad input the user can fix, said in one line naming the file, field or value."""
-
-
-class RunFault(RuntimeError):
-    """A run that cannot go on for a reason of its own, not bad input; what it saved is safe."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -190,26 +183,15 @@ def quiet_third_party() -> None:
     logging.getLogger("absl").addFilter(lambda r: not str(r.msg).startswith("[process="))
 
 
-def cpu_devices(count: int) -> None:
-    """`count` fake CPU devices for a machine without an accelerator (0: leave it). Possible
-    only before jax's backend starts; a process that already has its devices (a test, a
-    process started with XLA's host device count) keeps them."""
-    import jax
-
-    if count and jax.config.jax_platforms in (None, "", "cpu"):
-        with contextlib.suppress(RuntimeError):  # the backend has started: keep its devices
-            jax.config.update("jax_num_cpu_devices", count)
-
-
-def xla_flags_for_child(cpu_devices: int = 0) -> str:
+def xla_flags_for_child(count: int = 0) -> str:
     """This process's XLA_FLAGS for a process it starts: the fake CPU device count is the
-    child's own (`cpu_devices`, 0: none set here), every other flag (dumps, compiler options)
+    child's own (`count`, 0: none set here), every other flag (dumps, compiler options)
     carries over."""
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
     )
-    if cpu_devices:
-        flags += f" --xla_force_host_platform_device_count={cpu_devices}"
+    if count:
+        flags += f" --xla_force_host_platform_device_count={count}"
     return " ".join(flags.split())
 
 

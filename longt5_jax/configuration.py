@@ -15,38 +15,16 @@ from pathlib import Path
 
 import gin
 
-from longt5_jax.cli import UsageError
-from longt5_jax.data.pipeline import DataConfig
-from longt5_jax.infer.decode import DecodeConfig
-from longt5_jax.infer.evaluation import EvalConfig
-from longt5_jax.model.config import LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig
-from longt5_jax.training.checkpoint import CheckpointConfig
-from longt5_jax.training.optim import OptimizerConfig
-from longt5_jax.training.run_config import RunConfig
-from longt5_jax.training.step import StepConfig
+from longt5_jax.errors import ConfigError
+from longt5_jax.training.experiment import Experiment
 
+SECTIONS = Experiment.section_types()
 CONFIGURABLE = {
-    cls.__name__: gin.external_configurable(cls, name=cls.__name__)
-    for cls in (
-        LongT5Config,
-        DataConfig,
-        MeshConfig,
-        OptimizerConfig,
-        StepConfig,
-        RunConfig,
-        CheckpointConfig,
-        EvalConfig,
-        DecodeConfig,
-    )
+    cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in SECTIONS.values()
 }
 
 
 _SEARCH_PATHS: list[str] = []
-
-
-class ConfigError(UsageError):
-    """A gin file or binding that cannot be used, in one line."""
 
 
 def split_gin_args(argv: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
@@ -109,19 +87,6 @@ def _unparsable(files: Sequence[str], bindings: Sequence[str], error: Exception)
     return f"not valid gin ({error})"
 
 
-SECTIONS = {
-    "run": RunConfig,
-    "model": LongT5Config,
-    "data": DataConfig,
-    "mesh": MeshConfig,
-    "optim": OptimizerConfig,
-    "step": StepConfig,
-    "ckpt": CheckpointConfig,
-    "eval": EvalConfig,
-    "decode": DecodeConfig,
-}
-
-
 def from_args(
     argv: Sequence[str],
     sections: Sequence[str] = tuple(SECTIONS),
@@ -129,11 +94,12 @@ def from_args(
     flags: Sequence[str] = (),
     preset: Sequence[str] = (),
     file_required: str = "",
-) -> tuple[dict[str, typing.Any], set[str]]:
+) -> tuple[Experiment, set[str]]:
     """The gin front end of every command: `--gin_file`s and `--gin.NAME=VALUE`s from `argv`
     (besides the bare `flags` it allows), parsed with the `preset` bindings first (a command's
     own values, which the user's bindings still override), and the named `sections` built.
-    Returns them and the flags given; `file_required` is the error when no gin file is given."""
+    Returns the experiment (the sections not named are None) and the flags given;
+    `file_required` is the error when no gin file is given."""
     files, bindings, rest = split_gin_args(argv)
     unknown = [a for a in rest if a not in flags]
     if unknown:
@@ -142,7 +108,7 @@ def from_args(
     if file_required and not files:
         raise ConfigError(file_required)
     parse(files, [*preset, *bindings])
-    return {name: build(SECTIONS[name]) for name in sections}, set(rest)
+    return Experiment(**{name: build(SECTIONS[name]) for name in sections}), set(rest)
 
 
 def build(cls: type) -> typing.Any:

@@ -9,12 +9,24 @@ reference) and `<split>_metrics.json` to MODEL_DIR/eval/step_<N>/ (or --output_d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
-from longt5_jax import cli
+import jax
+from tqdm import tqdm
+
+from longt5_jax import cli, configuration
+from longt5_jax.data.sources import expand
+from longt5_jax.errors import UsageError
+from longt5_jax.formats.atomic import write_atomic
+from longt5_jax.formats.native import resolve, step_of
+from longt5_jax.infer import evaluation
+from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
+from longt5_jax.parallel.devices import cpu_devices
+from longt5_jax.training.experiment import Experiment
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -32,12 +44,10 @@ def _model_dir(step_dir: Path) -> Path:
     return step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
 
 
-def _configure(argv: list[str], step_dir: Path) -> dict:
-    from longt5_jax import configuration
-
+def _configure(argv: list[str], step_dir: Path) -> Experiment:
     cfg, _ = configuration.from_args(
         argv,
-        ("run", "data", "mesh", "eval", "decode"),
+        ("run", "data", "parallel", "eval", "decode"),
         # Run configs require a MODEL_DIR: here it is the checkpoint's (unless bound again).
         preset=[f"MODEL_DIR = '{_model_dir(step_dir)}'"],
         file_required="--gin_file is required (a run's MODEL_DIR/config.gin works)",
@@ -46,18 +56,13 @@ def _configure(argv: list[str], step_dir: Path) -> dict:
 
 
 def _output_dir(args: argparse.Namespace, step_dir: Path) -> Path:
-    from longt5_jax.formats.native import step_of
-
     return Path(args.output_dir or _model_dir(step_dir) / "eval" / f"step_{step_of(step_dir)}")
 
 
-def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: dict, step_dir: Path):
+def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: Experiment, step_dir: Path):
     """Its two output files are none of what it reads: the checkpoint, gin files, tokenizer and
     the split's data files."""
-    from longt5_jax import configuration
-    from longt5_jax.data.sources import expand
-
-    data, split = cfg["data"], args.split or cfg["eval"].split
+    data, split = cfg.data, args.split or cfg.eval.split
     files = [
         p.strip() for p in (data.train_files if split == "train" else data.eval_files).split(",")
     ]
@@ -73,23 +78,13 @@ def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: dict, ste
     cli.check_outputs(outputs, inputs, [("--checkpoint", step_dir)])
 
 
-def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
+def evaluate(args: argparse.Namespace, cfg: Experiment, step_dir: Path) -> dict:
     """Loss and ROUGE of the checkpoint on the split; writes predictions and metrics."""
-    import dataclasses
-
-    import jax
-    from tqdm import tqdm
-
-    from longt5_jax.formats.atomic import write_atomic
-    from longt5_jax.formats.native import step_of
-    from longt5_jax.infer import evaluation
-    from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
-
-    data, split = cfg["data"], args.split or cfg["eval"].split
+    data, split = cfg.data, args.split or cfg.eval.split
     # Every document is evaluated: the last batch is padded, never dropped.
     data = dataclasses.replace(data, shuffle=False, num_epochs=1)
-    length = cfg["decode"].max_length or data.target_length
-    generator, _ = from_checkpoint(step_dir, cfg["mesh"], cfg["decode"], length)
+    length = cfg.decode.max_length or data.target_length
+    generator, _ = from_checkpoint(step_dir, cfg.parallel, cfg.decode, length)
     tokenizer = load_tokenizer_for(step_dir, args.tokenizer)
     examples = evaluation.load_examples(data, tokenizer, split, args.limit)
     truncated = sum(len(e.inputs) == data.input_length for e in examples)
@@ -111,7 +106,7 @@ def evaluate(args: argparse.Namespace, cfg: dict, step_dir: Path) -> dict:
         "split": split,
         "examples": len(examples),
         "truncated_inputs": truncated,
-        "decode": dataclasses.asdict(cfg["decode"]) | {"max_length": length},
+        "decode": dataclasses.asdict(cfg.decode) | {"max_length": length},
         "seconds": time.perf_counter() - began,
     }
     if jax.process_index() == 0:
@@ -129,17 +124,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from longt5_jax.formats.native import resolve
-
     args, rest = _parse(argv)
     if args.limit < 0:
-        raise cli.UsageError(f"--limit={args.limit}: expected >= 0 (0: every example)")
+        raise UsageError(f"--limit={args.limit}: expected >= 0 (0: every example)")
     if args.output_dir and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise cli.UsageError(f"--output_dir={args.output_dir}: a file, expected a directory")
+        raise UsageError(f"--output_dir={args.output_dir}: a file, expected a directory")
     step_dir = resolve(args.checkpoint)
     cfg = _configure(rest, step_dir)
     _check_outputs(args, rest, cfg, step_dir)
-    cli.cpu_devices(cfg["run"].cpu_devices)
+    cpu_devices(cfg.run.cpu_devices)
     metrics = evaluate(args, cfg, step_dir)
     shown = "  ".join(f"{k} {metrics[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL", "rougeLsum"))
     print(

@@ -14,10 +14,19 @@ import re
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from longt5_jax import cli
+from longt5_jax.data.batching import trim_with_eos
 from longt5_jax.data.sources import DataError
+from longt5_jax.formats.atomic import write_atomic
+from longt5_jax.formats.native import resolve, saved_config
+from longt5_jax.infer.decode import DecodeConfig
+from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
+from longt5_jax.parallel.devices import cpu_devices
+from longt5_jax.parallel.mesh import MeshConfig
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -99,8 +108,6 @@ def trained_input_length(gin_text: str) -> int | None:
 
 def _encode(docs: list[tuple[str, str]], tokenizer, length: int, source: str) -> list:
     """Each document's ids, EOS-terminated, truncated (with a warning) to `length`."""
-    from longt5_jax.data.batching import trim_with_eos
-
     ids = []
     for number, (doc_id, text) in enumerate(docs):
         tokens = tokenizer.encode(text)
@@ -116,16 +123,7 @@ def _encode(docs: list[tuple[str, str]], tokenizer, length: int, source: str) ->
 
 
 def predict(args: argparse.Namespace) -> int:
-    import jax
-    from tqdm import tqdm
-
-    from longt5_jax.formats.atomic import write_atomic
-    from longt5_jax.formats.native import resolve, saved_config
-    from longt5_jax.infer.decode import DecodeConfig
-    from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
-    from longt5_jax.parallel.mesh import MeshConfig
-
-    cli.cpu_devices(args.cpu_devices)
+    cpu_devices(args.cpu_devices)
     step_dir = resolve(args.checkpoint)
     cli.check_outputs(
         [("--output", args.output)],

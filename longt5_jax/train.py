@@ -4,7 +4,7 @@ Multi-process: under `srun` it joins the SLURM step by itself; elsewhere give
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (see launch/README.md).
 
 Configure -> devices (fake CPU ones without an accelerator, processes joined) -> check the layout
-fits -> hold MODEL_DIR (one run at a time) -> `training.loop.train`.
+fits -> hold MODEL_DIR (one run at a time) -> build the loop's parts -> `training.loop.train`.
 """
 
 from __future__ import annotations
@@ -12,60 +12,130 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jax
+
+from longt5_jax import cli, configuration
+from longt5_jax.data.pipeline import load_tokenizer, make_dataset
+from longt5_jax.data.tokenizer import Tokenizer
+from longt5_jax.errors import ConfigError
+from longt5_jax.model import LongT5, count_params
+from longt5_jax.parallel.devices import cpu_devices
+from longt5_jax.parallel.mesh import check_fits, make_mesh
+from longt5_jax.plan.flops import train_flops_per_step
+from longt5_jax.training import distributed, identity, loop, run_lock
+from longt5_jax.training.checkpoint import Checkpoints
+from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.metrics import MetricsWriter, peak_flops
+from longt5_jax.training.optim import make_optimizer
+from longt5_jax.training.periodic_eval import PeriodicEval
+from longt5_jax.training.prometheus import PrometheusExporter
+from longt5_jax.training.step import ShardedStep
+
 
 def main(argv: list[str] | None = None) -> int:
-    from longt5_jax import cli
-
     return cli.run(_main, argv)
 
 
 def _main(argv: list[str]) -> int:
-    from longt5_jax.training import loop
-
     with loop.stopping_on_signals():  # first: a signal during start-up is kept, not fatal
         return _train(argv)
 
 
 def _train(argv: list[str]) -> int:
-    from longt5_jax import cli, configuration
-    from longt5_jax.training import distributed
-
     flags, argv = distributed.split_flags(argv)
     processes = distributed.detect(flags)
-    cfg, given = configuration.from_args(argv, flags=("--print_config",))
+    exp, given = configuration.from_args(argv, flags=("--print_config",))
     if "--print_config" in given:
-        print(configuration.operative_config() or "\n".join(f"{k}: {v}" for k, v in cfg.items()))
+        print(configuration.operative_config() or exp.summary())
         return 0
-    model_dir = Path(cfg["run"].model_dir)
+    model_dir = Path(exp.run.model_dir)
     if model_dir.exists() and not model_dir.is_dir():
-        raise configuration.ConfigError(
-            f"MODEL_DIR={str(model_dir)!r}: a file, expected a directory"
-        )
+        raise ConfigError(f"MODEL_DIR={str(model_dir)!r}: a file, expected a directory")
     # A SLURM task without GPUs has as many devices as CPUs allocated; otherwise the config's.
-    devices = (processes and processes.cpu_devices) or cfg["run"].cpu_devices
-    cli.cpu_devices(devices)
+    devices = (processes and processes.cpu_devices) or exp.run.cpu_devices
+    cpu_devices(devices)
     distributed.initialize(processes, devices)
-    import jax
-
-    from longt5_jax.parallel.mesh import check_fits
-
-    model = cfg["model"]
+    model = exp.model
     check_fits(
-        cfg["mesh"],
+        exp.parallel,
         jax.device_count(),
         model.num_heads,
         model.d_ff,
         model.vocab_size,
-        cfg["data"].batch_size,
+        exp.data.batch_size,
         (model.num_encoder_layers, model.num_decoder_layers),
-        cfg["step"].microbatches,
+        exp.step.microbatches,
     )
-    from longt5_jax.training import run_lock
-    from longt5_jax.training.loop import train
-
     with run_lock.held(model_dir):  # before anything in MODEL_DIR is written
-        train(cfg)
+        parts = _parts(exp)
+        try:
+            loop.train(exp, parts)
+        finally:
+            parts.checkpoints.close()
     return 0
+
+
+def _parts(exp: Experiment) -> loop.Parts:
+    """The loop's parts, with every start-up check done before anything is written to MODEL_DIR:
+    the tokenizer and the run's identity, the training data (a bad file is reported before any
+    state is built), the metrics port, the eval data and the checkpoints to resume."""
+    tokenizer, pinned = _tokenizer(exp)
+    batches = iter(make_dataset(exp.data, tokenizer, "train"))
+    mesh = make_mesh(exp.parallel)
+    model = LongT5(exp.model, runner=exp.parallel.pipeline_plan())
+    step = ShardedStep(model, exp.step, make_optimizer(exp.optim), mesh, exp.parallel)
+    if jax.process_index() == 0:
+        print(
+            f"{count_params(step.abstract_state.params) / 1e6:.2f}M parameters, mesh "
+            f"{dict(mesh.shape)}, ZeRO-{exp.parallel.zero_stage}, {jax.device_count()} devices",
+            flush=True,
+        )
+    open_writer = _metrics_writer(exp, _exporter(exp))
+    evaluate = PeriodicEval(exp.eval, exp.data, exp.decode, tokenizer, step)
+    evaluate.open(exp.run.train_steps)
+    checkpoints = Checkpoints(Path(exp.run.model_dir), exp.ckpt, tokenizer.proto)
+    config_text = configuration.operative_config()
+    return loop.Parts(step, batches, checkpoints, evaluate, open_writer, config_text, pinned)
+
+
+def _tokenizer(exp: Experiment) -> tuple[Tokenizer, dict]:
+    """The run's tokenizer, checked against the model, and the run's identity (tokenizer, model,
+    objective), checked against the run it resumes."""
+    tokenizer = load_tokenizer(exp.data)
+    pinned = identity.of(tokenizer.proto, str(tokenizer.path), exp.model, exp.data.objective)
+    identity.check(exp.run.model_dir, pinned)  # a resume is the run it resumes, or refused
+    if tokenizer.vocab_size > exp.model.vocab_size:
+        raise ConfigError(
+            f"LongT5Config.vocab_size={exp.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
+        )
+    return tokenizer, pinned
+
+
+def _exporter(exp: Experiment) -> PrometheusExporter | None:
+    """The opt-in Prometheus endpoint, its port taken now (a port in use is a start-up error)."""
+    run = exp.run
+    if not run.prometheus_port:
+        return None
+    try:
+        return PrometheusExporter(run.prometheus_port, run.prometheus_host, jax.process_index())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _metrics_writer(exp: Experiment, exporter: PrometheusExporter | None):
+    """Opens, at the step the run starts from, the logs, TensorBoard, the Prometheus endpoint if
+    any, and MFU where the devices' peak is known (from the model FLOPs of a step)."""
+    run, data = exp.run, exp.data
+    flops = train_flops_per_step(exp.model, data.batch_size, data.input_length, data.target_length)
+    return lambda start: MetricsWriter(
+        run.model_dir,
+        run.train_steps,
+        resume_step=start,
+        exporter=exporter,
+        flops_per_step=flops,
+        peak_flops=peak_flops(jax.devices(), run.peak_flops_per_device),
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ aborts the process) fails the test naming the file instead of killing the test r
 import json
 import sys
 
+from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.plan import targets
 
 targets.prepare_environment()
@@ -32,7 +33,7 @@ def main(paths: list[str]) -> int:
     config = LongT5Config.preset("tiny", "tglobal", dtype="bfloat16", remat="full", **layers)
     for path in paths:
         configuration.parse([path], ["MeshConfig.data = -1"])
-        plan = configuration.build(configuration.MeshConfig)
+        plan = configuration.build(MeshConfig)
         print(f"compiling {path}", file=sys.stderr, flush=True)
         compiled = compile_ahead.compile_for(config, plan, devices, 4, SHAPE, STEP)
         mesh = compiled.step.mesh

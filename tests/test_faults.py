@@ -20,7 +20,7 @@ from test_safety import STEPS, _run, _start
 from test_train import TINY_RUN, child_env, train_command
 
 from longt5_jax import train
-from longt5_jax.infer.evaluation import PeriodicEval
+from longt5_jax.training.periodic_eval import PeriodicEval
 from longt5_jax.training.step import ShardedStep
 
 

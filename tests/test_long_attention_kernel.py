@@ -14,7 +14,7 @@ import test_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config, attention_kernel, relpos
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention

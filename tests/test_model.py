@@ -13,7 +13,7 @@ from reference import max_rel, padded_batch, random_params
 
 from longt5_jax.model import LongT5, LongT5Config, count_params
 from longt5_jax.model.layers import Dropout, Rows
-from longt5_jax.training.loss import cross_entropy
+from longt5_jax.model.loss import cross_entropy
 
 LOGICAL_AXES = {
     "batch",

@@ -147,7 +147,7 @@ def test_the_compiled_gpu_step_keeps_offloaded_bytes_in_host_memory():
     assert none.host == 0 and optim.host == opt and both.host == opt + params
     assert none.arguments - optim.arguments == opt
     # The update still needs the moments on the device, briefly: all but 1.2% of them leave
-    # (measured; at xl size the whole optimizer state does, README).
+    # (measured; at xl size the whole optimizer state does, docs/benchmarks.md).
     assert 0.98 * opt <= none.total - optim.total <= opt
     assert moved.to_device == moved.to_host == opt
     assert moved_both.to_device == moved_both.to_host == opt + params

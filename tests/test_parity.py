@@ -10,7 +10,7 @@ from reference import max_rel, padded_batch, random_params, torch_model
 
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.training.loss import cross_entropy
+from longt5_jax.model.loss import cross_entropy
 
 # (name, config overrides, input length, target length, input lengths, target lengths)
 CASES = [

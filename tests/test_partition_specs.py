@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from longt5_jax import configuration
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import AXES, make_mesh
+from longt5_jax.parallel.mesh import AXES, MeshConfig, make_mesh
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -50,7 +50,7 @@ OPTIMIZERS = {
 
 def _shipped_stage(name: str) -> int:
     configuration.parse([str(ROOT / "configs" / "parallel" / f"{name}.gin")])
-    return configuration.build(configuration.MeshConfig).zero_stage
+    return configuration.build(MeshConfig).zero_stage
 
 
 def _cases() -> list[tuple[str, int]]:
@@ -116,8 +116,8 @@ def specs_of(name: str, stage: int) -> dict[str, str]:
         [str(ROOT / MODEL), str(ROOT / "configs" / "parallel" / f"{name}.gin")],
         [f"ZERO_STAGE = {stage}"],
     )
-    plan = configuration.build(configuration.MeshConfig)
-    config = configuration.build(configuration.LongT5Config)
+    plan = configuration.build(MeshConfig)
+    config = configuration.build(LongT5Config)
     devices = plan.data * plan.tensor * plan.pipeline  # every shipped config names all three
     if devices == len(jax.devices()):
         mesh = make_mesh(plan)

@@ -15,11 +15,11 @@ from test_step import _batches, _while_bodies
 
 from longt5_jax import train
 from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.model.loss import summed_loss
 from longt5_jax.parallel.mesh import MeshConfig, check_fits, make_mesh
 from longt5_jax.parallel.pipeline import Pipeline, _segments
 from longt5_jax.parallel.rules import rules
 from longt5_jax.parallel.sharding import tree_shardings
-from longt5_jax.training.step import _summed_loss
 
 # (data, tensor, pipeline, microbatches, repeats, ZeRO stage)
 PLANS = {
@@ -39,7 +39,7 @@ def _config(attention):
 
 
 def _loss_and_grads(model, params, batch):
-    grad = jax.grad(lambda p: _summed_loss(model, p, batch, 1e-4, None), has_aux=True)
+    grad = jax.grad(lambda p: summed_loss(model, p, batch, 1e-4, None), has_aux=True)
     grads, stats = grad(params)
     return stats["loss_sum"], grads
 

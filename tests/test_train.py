@@ -12,6 +12,13 @@ import numpy as np
 import pytest
 
 from longt5_jax import cli, configuration, train
+from longt5_jax.data.pipeline import DataConfig
+from longt5_jax.model import LongT5Config
+from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.training.checkpoint import CheckpointConfig
+from longt5_jax.training.optim import OptimizerConfig
+from longt5_jax.training.run_config import RunConfig
+from longt5_jax.training.step import StepConfig
 
 TINY_RUN = [
     "--gin_file=configs/demo.gin",
@@ -153,7 +160,7 @@ def _gin_files(folder):
 @pytest.mark.parametrize("path", _gin_files("models"))
 def test_model_gin_files_build(path):
     configuration.parse([path])
-    config = configuration.build(configuration.LongT5Config)
+    config = configuration.build(LongT5Config)
     assert config.attention in path.replace("tglobal", "transient-global")
 
 
@@ -161,7 +168,7 @@ def test_model_gin_files_build(path):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_parallel_gin_files_build(path, stage):
     configuration.parse([path], [f"ZERO_STAGE = {stage}"])
-    mesh = configuration.build(configuration.MeshConfig)
+    mesh = configuration.build(MeshConfig)
     devices = mesh.data * mesh.tensor * mesh.pipeline  # 8 (tests, the demo) or 32 (the cluster)
     assert mesh.zero_stage == stage and devices in (8, 32) and np.prod(mesh.shape(devices))
 
@@ -173,13 +180,13 @@ def test_run_gin_files_build(path):
         ["MODEL_DIR = '/tmp/x'", "INIT_FROM = '/tmp/y'", "DataConfig.train_files = 'x.jsonl'"],
     )
     for cls in (
-        configuration.CheckpointConfig,
-        configuration.RunConfig,
-        configuration.DataConfig,
-        configuration.OptimizerConfig,
-        configuration.StepConfig,
-        configuration.LongT5Config,
-        configuration.MeshConfig,
+        CheckpointConfig,
+        RunConfig,
+        DataConfig,
+        OptimizerConfig,
+        StepConfig,
+        LongT5Config,
+        MeshConfig,
     ):
         configuration.build(cls)
 

@@ -21,6 +21,7 @@ from longt5_jax.bench import (
     speed,
     strategy,
 )
+from longt5_jax.errors import UsageError
 
 BENCHMARKS = {
     "cluster": cluster.main,
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         given = repr(argv[0]) if argv else "none"
-        raise cli.UsageError(f"benchmark {given}: expected one of {', '.join(BENCHMARKS)}")
+        raise UsageError(f"benchmark {given}: expected one of {', '.join(BENCHMARKS)}")
     return BENCHMARKS[argv[0]](argv[1:])
 
 

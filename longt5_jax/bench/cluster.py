@@ -21,7 +21,13 @@ from pathlib import Path
 
 from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
-from longt5_jax.plan import targets
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5Config
+from longt5_jax.parallel.mesh import MeshConfig, check_fits
+from longt5_jax.plan import comm_model, compile_ahead, cost, flops, targets
+from longt5_jax.plan.shapes import ModelShapes
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.step import StepConfig
 
 # name -> (tensor, pipeline, ZeRO stage); data takes the remaining devices.
 STRATEGIES = {"DP+ZeRO-2": (1, 1, 2), "TP+DP": (4, 1, 1), "TP+PP+DP": (4, 2, 1)}
@@ -90,13 +96,6 @@ def _throughputs(b: int, a: dict, mfu_time, ceiling_s: float) -> dict:
 
 def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> dict:
     """Compile one row and read its memory, communication and time bounds."""
-    from longt5_jax.model import LongT5Config
-    from longt5_jax.parallel.mesh import MeshConfig, check_fits
-    from longt5_jax.plan import comm_model, compile_ahead, cost, flops
-    from longt5_jax.plan.shapes import ModelShapes
-    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
-    from longt5_jax.training.step import StepConfig
-
     tensor, pipe, zero = STRATEGIES[strategy]
     kernel = args.attention_kernel
     config = LongT5Config.preset(model, args.attention, dtype=args.dtype, remat=args.remat,
@@ -221,16 +220,17 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         rows = _rows(args)
         target, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
-        from longt5_jax.plan import cost
-
         cluster = cost.Cluster.from_args(target, args)
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     results = []
     for model, length in rows:
         for strategy in args.strategies:
@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results.append(_measure(args, cluster, devices, model, length, strategy))
             except ValueError as e:
-                print(f"error: {strategy} {model}@{length}: {e}", file=sys.stderr)
-                return 2
+                raise UsageError(f"{strategy} {model}@{length}: {e}") from None
     print(
         f"{args.attention} {args.batch_size} x {{input}}/{args.target_length} in "
         f"{args.accumulation} accumulation microbatches, {args.dtype}, remat {args.remat}, "

@@ -19,7 +19,7 @@ from longt5_jax import cli
 from longt5_jax.bench.report import write_json
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.training.loss import cross_entropy
+from longt5_jax.model.loss import cross_entropy
 
 
 def loader_rate(cfg: DataConfig, tokenizer, batches: int) -> dict[str, float]:
@@ -67,6 +67,10 @@ def step_rate(config: LongT5Config, input_length: int, target_length: int, repea
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = cli.ArgumentParser(
         prog="python -m longt5_jax.bench data", description=__doc__.splitlines()[0]
     )

@@ -12,7 +12,9 @@ import statistics
 import time
 from pathlib import Path
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from longt5_jax import cli
@@ -37,9 +39,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _params(config: LongT5Config, seed: int = 0):
-    import flax.linen as nn
-    import jax.numpy as jnp
-
     ids = jnp.ones((1, 1), jnp.int32)
     init = jax.jit(lambda k: nn.unbox(LongT5(config).init(k, ids, None, ids))["params"])
     return init(jax.random.key(seed))
@@ -56,7 +55,7 @@ def _ours(model, params, ids, mask, beams, length):
 
 
 def _theirs(torch_model, ids, mask, beams, length):
-    import torch
+    import torch  # the optional reference (the test extra), only when it is installed
 
     ids_t, mask_t = torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
 
@@ -106,7 +105,11 @@ def _row(batch: int, beams: int, times: list, compile_s: float, tokens, eos: int
     return row, line
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parse(argv)
     config = LongT5Config.preset(args.preset, args.attention)
     model, params = LongT5(config), _params(config)
@@ -115,7 +118,7 @@ def main(argv: list[str]) -> int:
     mask = np.ones_like(ids)
     reference = not args.no_reference and torch_reference.available()
     if reference:
-        import torch
+        import torch  # the optional reference (the test extra), only when it is installed
 
         torch_model = torch_reference.torch_longt5(config, jax.device_get(params))
         print(f"transformers on {torch.get_num_threads()} threads; ours on {jax.devices()[0]}")

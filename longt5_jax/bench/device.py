@@ -26,9 +26,21 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from longt5_jax import cli
+from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
-from longt5_jax.plan import targets
+from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
+from longt5_jax.errors import UsageError
+from longt5_jax.formats import hf
+from longt5_jax.model import LongT5Config
+from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.plan import compile_ahead, cost, flops, hlo, targets
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.step import StepConfig
 
 CASES = ["base:4096:8:none", "base:16384:2:full", "large:4096:4:full", "xl:4096:2:full"]
 _RESULT = "RESULT "
@@ -105,12 +117,6 @@ def parse_case(text: str) -> tuple[str, int, int, str]:
 def case_step(args, case: str, devices: list):
     """(config, the training loop's single-device step on devices[0], (batch, input, target)
     shape, remat) of a case; `args` gives the attention and the target length."""
-    from longt5_jax.model import LongT5Config
-    from longt5_jax.parallel.mesh import MeshConfig
-    from longt5_jax.plan import compile_ahead
-    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
-    from longt5_jax.training.step import StepConfig
-
     model, length, batch, remat = parse_case(case)
     config = LongT5Config.preset(
         model, args.attention, dtype="bfloat16", remat=remat, attention_kernel=args.attention_kernel
@@ -124,8 +130,6 @@ def case_step(args, case: str, devices: list):
 
 def _deviceless(args, case: str) -> dict:
     """The step compiled for the target's compile-only GPU: memory and roofline."""
-    from longt5_jax.plan import compile_ahead, cost
-
     target, devices = targets.open_target(args.target, 1, 1)
     _, step, shape, _ = case_step(args, case, devices)
     began = time.perf_counter()
@@ -140,13 +144,6 @@ def _deviceless(args, case: str) -> dict:
 
 def _on_gpu(args, case: str) -> dict:
     """The step compiled for and run on this process's GPU."""
-    import jax
-    import jax.numpy as jnp
-
-    from longt5_jax.bench.pipeline import random_batch
-    from longt5_jax.bench.train_steps import peak_matmul_flops
-    from longt5_jax.plan import flops, hlo
-
     if jax.default_backend() != "gpu":
         raise ValueError(_NO_GPU)
     device = jax.devices()[0]
@@ -190,13 +187,9 @@ def _on_gpu(args, case: str) -> dict:
 def _transformers(args, case: str, device: str = "cuda") -> dict:
     """transformers' PyTorch LongT5 of the same size, batch and precision (float32 weights,
     bf16 autocast, AdamW; gradient checkpointing where our case rematerialises) on this GPU."""
+    # torch, transformers: the optional reference (the test extra), only for --transformers
     import torch
     import transformers
-
-    from longt5_jax.bench.pipeline import random_batch
-    from longt5_jax.bench.train_steps import torch_inputs
-    from longt5_jax.formats import hf
-    from longt5_jax.model import LongT5Config
 
     model, length, b, remat = parse_case(case)
     config = LongT5Config.preset(model, args.attention)
@@ -313,18 +306,19 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         for case in args.cases:
             parse_case(case)
         targets.load(args.target)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     if args.child:
         run = {"gpu": _on_gpu, "deviceless": _deviceless, "torch": _transformers}[args.child]
-        from longt5_jax.model import long_attention_tiles as tiles
-
         try:
             with tiles.launch(args.launch):
                 report = run(args, args.cases[0])
@@ -332,14 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             report = {"error": str(e)}
         print(_RESULT + json.dumps(report), flush=True)
         return 0
-    # This process never starts jax: its GPU stays free for each case's own process.
+    # This process never starts jax's backend: its GPU stays free for each case's own process.
     rows = []
     for case in args.cases:
         print(f"{case}: on this GPU", file=sys.stderr, flush=True)
         gpu = _child(args, "gpu", case)
         if gpu.get("error") == _NO_GPU:
-            print(f"error: {gpu['error']}", file=sys.stderr)
-            return 2
+            raise UsageError(gpu["error"])
         deviceless = {"error": "not compiled (--no-deviceless)"}
         if args.deviceless:
             print(f"{case}: deviceless compile for {args.target}", file=sys.stderr, flush=True)

@@ -18,11 +18,23 @@ import functools
 import statistics
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from longt5_jax import cli
 from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5Config, relpos
+from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model.attention import Attention
+from longt5_jax.model.long_attention import (
+    LongSelfAttention,
+    global_blocks,
+    relative_positions_3block,
+)
 
 CASES = [
     "base:tglobal:4096:2:padded",
@@ -38,7 +50,7 @@ def parse_case(text: str) -> tuple[str, str, int, int, bool]:
     ok = len(parts) == 5 and parts[2].isdigit() and parts[3].isdigit()
     ok = ok and parts[1] in ("tglobal", "local", "decoder") and parts[4] in ("padded", "packed")
     if not ok:
-        raise cli.UsageError(
+        raise UsageError(
             f"--cases {text!r}: expected MODEL:tglobal|local|decoder:LENGTH:BATCH:padded|packed"
         )
     return parts[0], parts[1], int(parts[2]), int(parts[3]), parts[4] == "packed"
@@ -65,9 +77,6 @@ def _perturbed(params, seed: int):
     """Parameters perturbed in proportion to each one's spread: an absolute perturbation at
     d_model 768 makes logits of hundreds, a one-hot softmax and q, k gradients that are zero up
     to rounding."""
-    import jax
-    import jax.numpy as jnp
-
     noise = jax.random.key(seed + 1)
     return jax.tree.map(
         lambda a: a
@@ -79,12 +88,6 @@ def _perturbed(params, seed: int):
 def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
     """(params, inputs, cotangent) of one encoder attention layer: random parameters, tables and
     input."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from longt5_jax.model.long_attention import LongSelfAttention, global_blocks
-
     rng = np.random.default_rng(seed)
     seg, pos = rows(batch, length, packed, rng)
     tglobal = config.attention == "transient-global"
@@ -109,9 +112,6 @@ def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
 
 def _decoder_attention(config):
     """A decoder layer's attention: causal self-attention with its bias, then cross-attention."""
-    import flax.linen as nn
-
-    from longt5_jax.model.attention import Attention
 
     class DecoderAttention(nn.Module):
         @nn.compact
@@ -127,9 +127,6 @@ def _decoder_attention(config):
 def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
     """(params, inputs, cotangent) of a decoder layer's attention over `length` encoder tokens
     (padded or packed) from TARGETS queries, or `length` if fewer (all real; causal)."""
-    import jax
-    import jax.numpy as jnp
-
     rng = np.random.default_rng(seed)
     seg, _ = rows(batch, length, packed, rng)
     d, h, t = config.d_model, config.num_heads, min(TARGETS, length)
@@ -153,13 +150,6 @@ def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0
 def layer_grad(config, kind: str, launch: tuple = ()):
     """(params, inputs, cotangent, x) -> (output, gradients of the parameters, x and the float
     inputs) of an encoder or decoder (`kind`) layer, its kernels launched with `launch`."""
-    import jax
-    import jax.numpy as jnp
-
-    from longt5_jax.model import long_attention_tiles as tiles
-    from longt5_jax.model import relpos
-    from longt5_jax.model.long_attention import LongSelfAttention, relative_positions_3block
-
     if kind == "decoder":
         layer = _decoder_attention(config)
 
@@ -203,9 +193,6 @@ def layer_grad(config, kind: str, launch: tuple = ()):
 def run_layer(config, params, inputs, cotangent, dtype="float32", launch=()):
     """(output, gradients) of the layer of `inputs` (a decoder's if they hold `encoded`) with
     `config` in `dtype` (inputs cast to it)."""
-    import jax
-    import jax.numpy as jnp
-
     config = dataclasses.replace(config, dtype=dtype)
     x = inputs["x"].astype(jnp.dtype(dtype))
     kind = "decoder" if "encoded" in inputs else "encoder"
@@ -218,8 +205,6 @@ def run_layer(config, params, inputs, cotangent, dtype="float32", launch=()):
 def relative_errors(got, want, real) -> dict[str, float]:
     """Largest |got - want| over the largest |want|, for the output (real rows) and each
     gradient, by key path."""
-    import jax
-    import jax.numpy as jnp
 
     def err(g, w):
         g, w = jnp.asarray(g, jnp.float32), jnp.asarray(w, jnp.float32)
@@ -244,10 +229,6 @@ def _time(run, repeats: int) -> float:
 
 
 def measure(case: str, repeats: int, launches: list = ((),)) -> dict:
-    import jax
-
-    from longt5_jax.model import LongT5Config
-
     model, kind, length, batch, packed = parse_case(case)
     xla = LongT5Config.preset(model, "local" if kind == "decoder" else kind)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
@@ -319,7 +300,7 @@ def _main(argv: list[str]) -> int:
     for case in args.cases:
         parse_case(case)
     if args.repeats < 0:
-        raise cli.UsageError(f"--repeats {args.repeats}: expected >= 0")
+        raise UsageError(f"--repeats {args.repeats}: expected >= 0")
     reports = []
     for case in args.cases:
         reports.append(measure(case, args.repeats, args.launch))

@@ -17,7 +17,12 @@ from pathlib import Path
 
 from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
-from longt5_jax.plan import targets
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5Config
+from longt5_jax.plan import candidates as cands
+from longt5_jax.plan import compile_ahead, memory_model, targets
+from longt5_jax.plan.shapes import ModelShapes
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
 # model:input_length:batch -> candidates "data,tensor,pipeline,zero,microbatches,repeats,remat"
 GRID = {
@@ -67,23 +72,15 @@ def _grid(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
-def _candidate(text: str, batch: int):
-    from longt5_jax.plan.candidates import Candidate
-
+def _candidate(text: str, batch: int) -> cands.Candidate:
     parts = text.split(",")
     if len(parts) != 7:
         raise ValueError(f"candidate {text!r}: expected d,t,p,zero,microbatches,repeats,remat")
     *numbers, remat = parts
-    return Candidate(*(int(n) for n in numbers), remat, batch)
+    return cands.Candidate(*(int(n) for n in numbers), remat, batch)
 
 
 def _measure(args, devices) -> list[dict]:
-    from longt5_jax.model import LongT5Config
-    from longt5_jax.plan import candidates as cands
-    from longt5_jax.plan import compile_ahead
-    from longt5_jax.plan.shapes import ModelShapes
-    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
-
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
     rows = []
     for key, texts in _grid(args).items():
@@ -165,6 +162,10 @@ def _plot(rows: list[dict], calibrations: dict[str, dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         _grid(args)
@@ -173,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         _, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         rows = _measure(args, devices)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from longt5_jax.plan import memory_model
-
+        raise UsageError(str(e)) from None
     calibrations = {"estimate": memory_model.CALIBRATION}
     if args.fit:
         samples = [(r["activations"], r["static"], r["compiled"]) for r in rows]

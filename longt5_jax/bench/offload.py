@@ -20,9 +20,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
-from longt5_jax.plan import targets
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.plan import compile_ahead, cost, flops, targets
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 MODES = ("none", "optimizer", "optimizer_and_params")
 
@@ -54,16 +61,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _optimizer(name: str):
-    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
-
     return make_optimizer(OptimizerConfig(name=name))
 
 
 def _compiled_rows(args, devices, cluster, length: int, batch: int, zeros: list[int]) -> list:
-    from longt5_jax.model import LongT5Config
-    from longt5_jax.parallel.mesh import MeshConfig
-    from longt5_jax.plan import compile_ahead, cost, flops
-
     config = LongT5Config.preset(args.model, args.attention, dtype="bfloat16", remat=args.remat)
     executed = flops.executed_flops_per_step(config, batch, length, args.target_length, args.remat)
     compute = cost.compute_seconds(executed, cluster.devices, cluster)
@@ -125,13 +126,6 @@ def _fits(row: dict, card_gb: int) -> str:
 
 def _cpu_timing(args, devices) -> list[dict]:
     """Median step seconds of each offload setting, the settings interleaved step by step."""
-    import jax
-
-    from longt5_jax.model import LongT5, LongT5Config
-    from longt5_jax.parallel.mesh import MeshConfig, make_mesh
-    from longt5_jax.plan import compile_ahead
-    from longt5_jax.training.step import ShardedStep, StepConfig
-
     config = LongT5Config.preset(args.cpu_model, args.attention)
     steps, states = {}, {}
     for mode in MODES:
@@ -206,6 +200,10 @@ def _plot(rows: list[dict], timing: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         target = targets.load(args.target)
@@ -216,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         targets.prepare_environment()
         cpu_devices = targets.devices(targets.load("cpu"), 1, args.cpu_devices)
         _, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
-        from longt5_jax.plan import cost
-
         cluster = cost.Cluster.from_args(target, args)
         rows = _compiled_rows(args, devices, cluster, args.input_length, args.batch_size, args.zero)
         if args.fit_length:
@@ -225,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 args, devices, cluster, args.fit_length, args.fit_batch, args.fit_zero
             )
     except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     print(
         f"{args.model} {args.attention}, {args.target_length} targets, {args.optimizer}, remat "
         f"{args.remat}, data parallel on {target.name} {args.nodes} x {args.gpus_per_node}"

@@ -22,7 +22,9 @@ import optax
 from longt5_jax import cli
 from longt5_jax.bench.report import write_json
 from longt5_jax.data import batching
+from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -118,10 +120,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parse(argv)
-    cli.cpu_devices(8)
+    cpu_devices(8)
     if jax.device_count() != 8:
-        raise cli.UsageError(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
+        raise UsageError(f"the pipeline benchmark needs 8 devices, found {jax.device_count()}")
 
     config = LongT5Config.preset(
         "tiny",

@@ -22,6 +22,7 @@ import jax
 from longt5_jax import cli
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import write_json
+from longt5_jax.errors import RunFault
 from longt5_jax.model import LongT5Config
 from longt5_jax.plan import hlo_module
 
@@ -149,7 +150,11 @@ def _print(report: dict) -> None:
         print(f"{r['ms']:>9.1f} {r['calls']:>5}  {r['op']:<30} {r['shape']:<34} {r['path'][-70:]}")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parse(argv)
     config = LongT5Config.preset(
         args.preset,
@@ -168,7 +173,7 @@ def main(argv: list[str]) -> int:
         step()
     traces = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
     if not traces:
-        raise SystemExit(f"bench profile: the profiler wrote no trace under {trace_dir}")
+        raise RunFault(f"bench profile: the profiler wrote no trace under {trace_dir}")
     with gzip.open(traces[-1]) as f:
         trace = json.load(f)
     report = {

@@ -20,10 +20,10 @@ def write_json(out_dir: str | Path, name: str, report: Any) -> Path:
 def pyplot():
     """matplotlib's pyplot without a screen; imported here: it takes a second, and only the
     figures need it."""
-    import matplotlib
+    import matplotlib  # deferred: slow to import, and only the figures need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no screen
 
     return plt
 

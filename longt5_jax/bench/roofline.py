@@ -35,7 +35,9 @@ from pathlib import Path
 from longt5_jax import cli
 from longt5_jax.bench import device
 from longt5_jax.bench.report import pyplot, save_figure, write_json
-from longt5_jax.plan import targets
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5Config
+from longt5_jax.plan import compile_ahead, flops, hlo, hlo_module, roofline, targets
 
 CASES = [
     "base:16384:2:full",
@@ -110,8 +112,6 @@ def groups(kernels: list, total_s: float) -> list[dict]:
 
 def measure(args, case: str) -> dict:
     """One case compiled deviceless for the target: roofline totals and groups, memory."""
-    from longt5_jax.plan import compile_ahead, flops, hlo, hlo_module, roofline
-
     target, devices = targets.open_target(args.target, 1, 1)
     config, step, shape, _ = device.case_step(args, case, devices)
     began = time.perf_counter()
@@ -186,7 +186,7 @@ def load_report(path: Path) -> dict[str, dict]:
         rows = json.loads(path.read_text())["rows"]
         return {r["case"]: r for r in rows if "error" not in r and "roofline" in r}
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise cli.UsageError(f"--compare {path}: not a report of bench roofline ({e})") from None
+        raise UsageError(f"--compare {path}: not a report of bench roofline ({e})") from None
 
 
 def compare(before: dict[str, dict], rows: list[dict]) -> list[dict]:
@@ -257,13 +257,11 @@ def _plot(rows: list[dict], top: int, path: Path) -> None:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from longt5_jax.model import LongT5Config
-
     for case in args.cases:
         model = device.parse_case(case)[0]
         LongT5Config.preset(model, args.attention)  # an unknown model or attention, said now
     if not targets.load(args.target).is_gpu:
-        raise cli.UsageError(f"--target {args.target}: bench roofline costs GPU kernels")
+        raise UsageError(f"--target {args.target}: bench roofline costs GPU kernels")
     if args.child:
         print(_RESULT + json.dumps(measure(args, args.cases[0])), flush=True)
         return 0

@@ -236,7 +236,11 @@ def _plot(report: dict, out: Path) -> str | None:
     return None
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parse(argv)
     config = LongT5Config.preset(args.preset, args.attention, dtype=args.dtype, remat=args.remat)
     print(f"{config.attention} {args.preset}, {ts.cores()} cores, device {jax.devices()[0]}")

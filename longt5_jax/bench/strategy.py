@@ -25,7 +25,9 @@ import numpy as np
 from longt5_jax import cli
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
+from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.parallel.mesh import MeshConfig, check_fits
 from longt5_jax.plan import compile_ahead as aot
 from longt5_jax.plan import cost, flops, hlo, targets
@@ -211,19 +213,18 @@ def _setup(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         config, cluster, target_devices = _setup(args)
     except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cli.cpu_devices(8)
+        raise UsageError(str(e)) from None
+    cpu_devices(8)
     if jax.device_count() != 8:
-        print(
-            f"error: the strategy table needs 8 devices, found {jax.device_count()}",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError(f"the strategy table needs 8 devices, found {jax.device_count()}")
     batch = random_batch(args.batch_size, args.input_length, args.target_length, config.vocab_size)
     model_flops = flops.train_flops_per_step(
         config, args.batch_size, args.input_length, args.target_length
@@ -233,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runs.append(_Run(name, config, batch, args, target_devices))
         except ValueError as e:
-            print(f"error: {name}: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(f"{name}: {e}") from None
         print(f"compiled {name}", file=sys.stderr, flush=True)
     for _ in range(args.steps):  # alternate: drift hits every strategy alike
         for run in runs:

@@ -12,7 +12,7 @@ from longt5_jax.model import LongT5Config
 
 
 def available() -> bool:
-    try:
+    try:  # optional (the test extra): whether they are installed is the question
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
@@ -22,6 +22,7 @@ def available() -> bool:
 
 def torch_longt5(config: LongT5Config, params: Any):
     """LongT5ForConditionalGeneration with exactly `params`, in eval mode."""
+    # torch, transformers: optional (the test extra), only where the reference is asked for
     import torch
     import transformers
 

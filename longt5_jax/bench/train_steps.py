@@ -75,7 +75,7 @@ class OursStep:
 
 def torch_inputs(batch: dict) -> dict:
     """Our features as transformers' keyword arguments (labels -100 where the weight is 0)."""
-    import torch
+    import torch  # the optional reference (the test extra), only for the race against it
 
     labels = np.where(batch["decoder_loss_weights"] > 0, batch["decoder_target_tokens"], -100)
     return {
@@ -90,7 +90,7 @@ class TorchStep:
     """transformers' LongT5ForConditionalGeneration holding `params`, trained by AdamW."""
 
     def __init__(self, config: LongT5Config, params: Any, batch: dict, threads: int):
-        import torch
+        import torch  # the optional reference (the test extra), only for the race against it
 
         torch.set_num_threads(threads)
         self.model = torch_reference.torch_longt5(config, params).train()

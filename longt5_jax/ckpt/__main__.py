@@ -12,6 +12,7 @@ import json
 import sys
 
 from longt5_jax import cli
+from longt5_jax.ckpt import commands, convert
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,16 +65,12 @@ def _overrides(pairs: list[str]) -> dict:
 
 
 def _run(args: argparse.Namespace):
-    from longt5_jax.ckpt import commands
-
     if args.command in ("ls", "done"):
         return getattr(commands, args.command)(args.MODEL_DIR)
     if args.command == "diff":
         return commands.diff(args.CKPT, args.CKPT_B)
     if args.command != "convert":
         return getattr(commands, args.command)(args.CKPT)
-    from longt5_jax.ckpt import convert
-
     if args.direction == "t5x-to-native":
         out = convert.t5x_to_native(args.SRC, args.OUT, **_overrides(args.set))
     elif args.set:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from longt5_jax import configuration
 from longt5_jax.formats.keypath import path_text
 from longt5_jax.formats.native import (
     CheckpointError,
@@ -61,13 +62,11 @@ def ls(model_dir: str | Path) -> list[dict]:
 def done(model_dir: str | Path) -> dict:
     """Whether the run in MODEL_DIR saved its last step (RunConfig.train_steps of the config it
     saved): what a job script asks before it requeues itself."""
-    from longt5_jax import configuration
-
     root = Path(model_dir)
     if not (root / "config.gin").is_file():
         raise CheckpointError(f"{root}: no config.gin (expected the MODEL_DIR of a started run)")
     cfg, _ = configuration.from_args([f"--gin_file={root / 'config.gin'}"], ("run",))
-    steps = cfg["run"].train_steps
+    steps = cfg.run.train_steps
     saved = max((step_of(d) for d in step_dirs(root) if is_complete(d)), default=0)
     return {"path": str(root), "saved": saved, "steps": steps, "ok": saved >= steps}
 

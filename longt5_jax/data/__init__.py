@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 
 
 class DataError(UsageError):

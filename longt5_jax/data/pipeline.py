@@ -11,7 +11,9 @@ import grain
 import jax
 import numpy as np
 
-from longt5_jax.data import batching, objectives
+from longt5_jax.data import DataError, batching, objectives
+from longt5_jax.data.aclsum import aclsum_source
+from longt5_jax.data.sources import open_source
 from longt5_jax.data.stream import GlobalRows
 from longt5_jax.data.tokenizer import Tokenizer, train_tokenizer
 
@@ -64,8 +66,6 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The configured SentencePiece model, or the default trained on aclsum's train split."""
     if cfg.tokenizer:
         return Tokenizer(cfg.tokenizer)
-    from longt5_jax.data.aclsum import aclsum_source
-
     source = aclsum_source("train")
     lines = (
         line
@@ -81,11 +81,7 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
 def open_split(cfg: DataConfig, split: str):
     """The record source of a split ('train', 'val'/'validation', 'test')."""
     if cfg.task == "aclsum":
-        from longt5_jax.data.aclsum import aclsum_source
-
         return aclsum_source("val" if split == "validation" else split)
-    from longt5_jax.data.sources import DataError, open_source
-
     files = cfg.train_files if split == "train" else cfg.eval_files
     if not files:
         raise DataError(

@@ -39,7 +39,7 @@ def _main(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     # A run config's required MODEL_DIR is never used here: bind one so the config parses.
     cfg, _ = configuration.from_args(rest, ("data",), preset=["MODEL_DIR = ''"])
-    cfg = cfg["data"]
+    cfg = cfg.data
     start = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
     print(

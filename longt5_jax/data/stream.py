@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import grain
 import numpy as np
+from absl import flags
+from jax.experimental import multihost_utils
 
 from longt5_jax.data import batching
 
@@ -129,8 +131,6 @@ class GlobalRows:
         """{'batch_size': B, 'next': [the next example of each global row]}."""
         position = self.next
         if self.count > 1:
-            from jax.experimental import multihost_utils
-
             position = multihost_utils.process_allgather(position).reshape(-1)
         return {"batch_size": self.batch_size, "next": [int(x) for x in position]}
 
@@ -149,8 +149,6 @@ class GlobalRows:
         ds = _Rows(self.examples, self.rows, self.next, self.batch_size, self.lengths, self.pack)
         if self.workers <= 0:
             return iter(ds)
-        from absl import flags
-
         # grain's workers read absl flags; outside an absl app nobody has parsed them.
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()

@@ -4,7 +4,7 @@
 parameter tree (layers stacked on a leading axis, attention kernels [embed, heads, kv]) to the
 `LongT5ForConditionalGeneration` state dict; `to_hf` and `from_hf` are its two directions and
 serve weights and gradients alike. transformers 4.x reads what `save` writes; 5.x ties the
-LM head to the embedding whatever the config says, which is not LongT5 (see README).
+LM head to the embedding whatever the config says, which is not LongT5 (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 from longt5_jax.formats.atomic import publishing, write_atomic
 from longt5_jax.model.config import LongT5Config
+from longt5_jax.model.transformer import LongT5, abstract_params
 
 Params = dict[str, Any]
 
@@ -194,8 +195,6 @@ def plain(params: Params) -> Params:
 
 def param_shapes(config: LongT5Config) -> dict[str, tuple[int, ...]]:
     """Our parameter paths ('/'-joined) and shapes for `config`, traced without arrays."""
-    from longt5_jax.model import LongT5, abstract_params
-
     flat = flax.traverse_util.flatten_dict(plain(abstract_params(LongT5(config))), sep="/")
     return {k: tuple(v.shape) for k, v in flat.items()}
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 from longt5_jax.formats.keypath import path_text
 from longt5_jax.model.config import LongT5Config
 

@@ -20,9 +20,9 @@ from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.formats.native import CheckpointError, model_config, restore_params, saved_tokenizer
 from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
+from longt5_jax.model.loss import eval_stats
 from longt5_jax.parallel.mesh import MeshConfig, make_mesh
 from longt5_jax.parallel.sharding import activation_context, placed, tree_shardings
-from longt5_jax.training.step import eval_stats
 
 
 def load_tokenizer_for(step_dir: Path, override: str = "") -> Tokenizer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from rouge_score import rouge_scorer, scoring
 
 KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -25,6 +24,10 @@ def rouge(references: Sequence[str], predictions: Sequence[str], seed: int = 0) 
         raise ValueError(f"{len(references)} references but {len(predictions)} predictions")
     if not references:
         raise ValueError("ROUGE of no examples")
+    # rouge-score pulls in nltk and scipy (1.6 s): imported when a score is asked for, so that
+    # training without a ROUGE eval and every other command start without it.
+    from rouge_score import rouge_scorer, scoring
+
     scorer = rouge_scorer.RougeScorer(list(KEYS))
     aggregator = scoring.BootstrapAggregator()
     for reference, prediction in zip(references, predictions, strict=True):

@@ -21,6 +21,7 @@ import threading
 import time
 
 from longt5_jax import cli
+from longt5_jax.errors import UsageError
 
 
 def free_port() -> int:
@@ -135,7 +136,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--devices_per_process", type=cli.positive, default=4)
     args = parser.parse_args(ours)
     if not train_args:
-        raise cli.UsageError("no training arguments: put them after `--`")
+        raise UsageError("no training arguments: put them after `--`")
     code = launch(args.num_processes, args.devices_per_process, train_args)
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 

@@ -108,10 +108,11 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 
 
 # Triton's warps and software-pipelining stages by kernel name (fnmatch patterns, first match
-# wins), as measured on an H100 (`bench kernels --launch`, README): the encoder's programs hold
-# [128, 128] float32 score tiles, which 4 warps cannot keep in registers, and three stages hide
-# the loads of the next key block (the layer's forward and backward 12.5 -> 10.1 ms at base 16k);
-# the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against 1.81 with 8:3).
+# wins), as measured on an H100 (`bench kernels --launch`, docs/benchmarks.md): the encoder's
+# programs hold [128, 128] float32 score tiles, which 4 warps cannot keep in registers, and
+# three stages hide the loads of the next key block (the layer's forward and backward 12.5 ->
+# 10.1 ms at base 16k); the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against
+# 1.81 with 8:3).
 LAUNCH: tuple[tuple[str, int, int], ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2), ("*", 8, 2))
 _LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)
 

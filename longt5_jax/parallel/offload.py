@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 from longt5_jax.parallel.mesh import OFFLOADS, Offload, compile_only
 
 __all__ = ["OFFLOADS", "NoHostMemory", "StateMemory", "check_host_memory", "in_memory"]

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.rules import Use, rules

@@ -21,15 +21,17 @@ import os
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from longt5_jax import cli
-from longt5_jax.plan import targets
-
-if TYPE_CHECKING:  # the real imports wait until the device count is set
-    from longt5_jax.model import LongT5Config
-    from longt5_jax.plan.candidates import Estimate
-    from longt5_jax.plan.cost import Cluster
+from longt5_jax.errors import RunFault, UsageError
+from longt5_jax.model import LongT5Config
+from longt5_jax.parallel.mesh import OFFLOADS
+from longt5_jax.plan import candidates as cands
+from longt5_jax.plan import compile_ahead, cost, hlo, targets
+from longt5_jax.plan.candidates import Estimate
+from longt5_jax.plan.cost import Cluster
+from longt5_jax.plan.shapes import ModelShapes
+from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
 _CHILD = "LONGT5_PLAN_CHILD"
 
@@ -65,10 +67,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Target]:
-    from longt5_jax.model import LongT5Config
-    from longt5_jax.parallel.mesh import OFFLOADS
-    from longt5_jax.plan import cost
-
     args.offload = tuple(args.offload or OFFLOADS)
     if set(args.offload) - set(OFFLOADS):
         raise ValueError(f"--offload {' '.join(args.offload)}: expected some of {OFFLOADS}")
@@ -104,10 +102,6 @@ def _compile(
     optimizer_name: str,
 ) -> dict:
     """Compile one candidate: its compiled memory, collectives and cost-model step time."""
-    from longt5_jax.plan import candidates as cands
-    from longt5_jax.plan import compile_ahead, cost
-    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
-
     c = estimate.candidate
     cfg = dataclasses.replace(config, remat=c.remat)
     optimizer = make_optimizer(OptimizerConfig(name=optimizer_name))
@@ -132,8 +126,6 @@ def _compile(
 
 
 def _print_compiled(rows: list[dict], cluster: Cluster, target: targets.Target, show: int) -> None:
-    from longt5_jax.plan import hlo
-
     gib = 2**30
     print(
         f"\n{'#':>2} {'candidate':<{WIDTH}} {'GiB/dev':>8} {'est':>6} {'fits':>4} {'AR GB':>6} "
@@ -176,10 +168,6 @@ def _print_estimates(estimates: list[Estimate], show: int) -> None:
 
 def _ranked(args: argparse.Namespace, config: LongT5Config, cluster: Cluster) -> list[Estimate]:
     """Analytic estimates of every candidate near fitting, best first."""
-    from longt5_jax.plan import candidates as cands
-    from longt5_jax.plan.shapes import ModelShapes
-    from longt5_jax.training.optim import OptimizerConfig, make_optimizer
-
     lengths = (args.input_length, args.target_length)
     found = cands.enumerate_candidates(
         config, cluster.devices, cluster.gpus_per_node, args.batch_sizes, args.offload
@@ -234,8 +222,7 @@ def _compile_best(
 def run(args: argparse.Namespace, config, cluster, target, devices: list) -> int:
     ranked = _ranked(args, config, cluster)
     if not ranked:
-        print("error: no candidate comes near fitting in memory", file=sys.stderr)
-        return 1
+        raise RunFault("no candidate comes near fitting in memory")
     fitting = [e for e in ranked if e.memory <= cluster.memory_gib * 2**30]
     _print_estimates(fitting or ranked, args.show)
     rows = _compile_best(args, config, cluster, devices, ranked) if args.compile_top else []
@@ -260,28 +247,22 @@ def _main(argv: list[str]) -> int:
     try:
         config, cluster, target = _config(args)
     except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from longt5_jax.plan.candidates import enumerate_candidates
-
+        raise UsageError(str(e)) from None
     # Before any device exists (and before a re-run): a cluster nothing divides is bad input.
-    found = enumerate_candidates(
+    found = cands.enumerate_candidates(
         config, cluster.devices, cluster.gpus_per_node, args.batch_sizes, args.offload
     )
     if not found:
-        print(
-            f"error: no data x tensor x pipeline layout of {cluster.devices} devices divides "
-            f"{args.model} (heads, MLP width, vocabulary, layers) and batch {args.batch_sizes}",
-            file=sys.stderr,
+        raise UsageError(
+            f"no data x tensor x pipeline layout of {cluster.devices} devices divides "
+            f"{args.model} (heads, MLP width, vocabulary, layers) and batch {args.batch_sizes}"
         )
-        return 2
     devices = []
     if args.compile_top:
         try:
             devices = targets.devices(target, args.nodes, args.gpus_per_node)
         except RuntimeError:  # jax already runs with another number of CPU devices
             if os.environ.get(_CHILD):
-                print(f"error: could not make {cluster.devices} CPU devices", file=sys.stderr)
-                return 2
+                raise UsageError(f"could not make {cluster.devices} CPU devices") from None
             return _rerun(argv, cluster.devices)
     return run(args, config, cluster, target, devices)

@@ -19,7 +19,10 @@ import os
 import re
 from pathlib import Path
 
-from longt5_jax import cli
+import jax
+from jax.experimental import topologies
+
+from longt5_jax.parallel.devices import cpu_devices
 
 SPECS = Path(__file__).parent / "gpu_specs"
 # The CUDA plugin checks the driver when jax starts unless told not to; deviceless there is no
@@ -106,9 +109,11 @@ GPU_EXTRA_MISSING = (
 
 
 def prepare_environment() -> None:
-    """Set the deviceless variables; call before jax is imported."""
+    """Set the deviceless variables; call before jax's backend starts."""
     for key, value in DEVICELESS_ENV.items():
         os.environ.setdefault(key, value)
+    if not jax.config.jax_platforms:  # jax read JAX_PLATFORMS when it was imported
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 def add_cluster_arguments(parser, cpu: bool = False, nodes: int = 8, help: str = "") -> None:
@@ -132,19 +137,15 @@ def open_target(name: str, nodes: int, gpus_per_node: int) -> tuple[Target, list
 def devices(target: Target, nodes: int, gpus_per_node: int) -> list:
     """`nodes x gpus_per_node` devices to compile for: compile-only GPUs (node = process_index),
     or this process's CPU devices (node = position // gpus_per_node) when there are that many."""
-    import jax
-
     count = nodes * gpus_per_node
     if not target.is_gpu:
-        cli.cpu_devices(count)
+        cpu_devices(count)
         found = jax.devices("cpu")
         if len(found) != count:
             raise RuntimeError(f"{count} CPU devices are needed, this process has {len(found)}")
         return found
     if not have_gpu_compiler():
         raise ValueError(GPU_EXTRA_MISSING)
-    from jax.experimental import topologies
-
     topology = topologies.get_topology_desc(
         platform="cuda", target_config=target.spec, topology=f"{nodes}x1x{gpus_per_node}"
     )

@@ -19,8 +19,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from longt5_jax.cli import RunFault
+from longt5_jax.errors import RunFault
 from longt5_jax.formats.native import (
     UNREADABLE,
     CheckpointError,
@@ -163,8 +164,6 @@ class Checkpoints:
                 aside, k = where.with_name(f"{step}.{k}{UNREADABLE}"), k + 1
             where.rename(aside)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         self.manager.reload()
 

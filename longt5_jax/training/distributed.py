@@ -18,7 +18,11 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
-from longt5_jax.cli import UsageError
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from longt5_jax.errors import UsageError
 
 PORT = 61337  # the coordinator's default port (offset by the job id under SLURM)
 
@@ -133,7 +137,6 @@ def initialize(processes: Processes | None, cpu_devices: int, heartbeat_s: int =
     """Join JAX's distributed runtime (before any other JAX call), and set log prefixes."""
     if processes is None:
         return
-    import jax
 
     on_cpu = jax.config.jax_platforms in (None, "", "cpu") and cpu_devices > 0
     if on_cpu:  # fake CPU devices per process, reduced over gloo across processes
@@ -183,11 +186,8 @@ class _Prefixed:
 
 def agree(flag: bool, combine=all) -> bool:
     """`combine` (all or any) of `flag` over every process; each process learns the answer."""
-    import jax
 
     if jax.process_count() == 1:
         return flag
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     return bool(combine(multihost_utils.process_allgather(np.asarray(flag))))

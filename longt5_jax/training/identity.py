@@ -16,7 +16,7 @@ import json
 import re
 from pathlib import Path
 
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.formats.native import (
     CheckpointError,

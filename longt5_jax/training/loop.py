@@ -1,6 +1,8 @@
-"""The training loop: data -> sharded state -> resume -> steps (eval, logs, saves) -> stop.
+"""The training loop: resume or start -> steps (eval, logs, saves) -> stop.
 
-Reads like its table of contents; `python -m longt5_jax.train` configures it and starts devices.
+It is given its parts (`Parts`: the sharded step, the data, the checkpoints, the periodic
+evaluation, the metrics writer) by the command, `python -m longt5_jax.train`, which configures,
+starts devices and builds them; the loop reads its settings from the typed `Experiment`.
 """
 
 from __future__ import annotations
@@ -10,141 +12,74 @@ import dataclasses
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from longt5_jax.cli import RunFault
+import jax
+import numpy as np
+
+from longt5_jax.data.pipeline import global_batch
+from longt5_jax.errors import RunFault
+from longt5_jax.formats.native import resolve, restore_params
+from longt5_jax.training import identity
+from longt5_jax.training.checkpoint import Checkpoints
 from longt5_jax.training.distributed import agree
+from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.metrics import MetricsWriter, StepProfiler
+from longt5_jax.training.optim import learning_rate_at
+from longt5_jax.training.periodic_eval import PeriodicEval
+from longt5_jax.training.step import ShardedStep, TrainState
 
 
-def train(cfg: dict) -> dict:
-    """Train per `cfg`; returns the last logged metrics."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the loop runs with; the command builds each one, the loop makes none of them."""
 
-    from longt5_jax import configuration
-    from longt5_jax.data.pipeline import make_dataset
-    from longt5_jax.infer.evaluation import PeriodicEval
-    from longt5_jax.model import LongT5, count_params
-    from longt5_jax.parallel.mesh import make_mesh
-    from longt5_jax.training import identity
-    from longt5_jax.training.checkpoint import Checkpoints
-    from longt5_jax.training.optim import make_optimizer
-    from longt5_jax.training.step import ShardedStep
+    step: ShardedStep
+    batches: Iterator[dict[str, np.ndarray]]  # this process's rows of each training batch
+    checkpoints: Checkpoints
+    evaluate: PeriodicEval
+    # The metrics writer, opened at the step the run starts from (it trims a resumed log there).
+    open_writer: Callable[[int], MetricsWriter]
+    config_text: str  # the operative gin config: MODEL_DIR/config.gin and each checkpoint's
+    identity: dict[str, Any]  # tokenizer, model and objective, recorded for resumes to match
 
-    run, model_cfg, data_cfg = cfg["run"], cfg["model"], cfg["data"]
-    model_dir = Path(run.model_dir)
-    tokenizer, pinned = _tokenizer(cfg)
-    # The data opens first: a bad file is reported before any state is built.
-    batches = iter(make_dataset(data_cfg, tokenizer, "train"))
-    mesh = make_mesh(cfg["mesh"])
-    model = LongT5(model_cfg, runner=cfg["mesh"].pipeline_plan())
-    step = ShardedStep(model, cfg["step"], make_optimizer(cfg["optim"]), mesh, cfg["mesh"])
+
+def train(exp: Experiment, parts: Parts) -> dict:
+    """Train per `exp` with `parts`; returns the last logged metrics."""
+    model_dir = Path(exp.run.model_dir)
+    start, state, note = _first_state(exp, parts)
+    if agree(bool(stopped()), any):  # during start-up: nothing trained, nothing written
+        print(f"{stopped()}: stopped before step {start + 1}; nothing new to save", flush=True)
+        return {}
     if jax.process_index() == 0:
-        print(
-            f"{count_params(step.abstract_state.params) / 1e6:.2f}M parameters, mesh "
-            f"{dict(mesh.shape)}, ZeRO-{cfg['mesh'].zero_stage}, {jax.device_count()} devices",
-            flush=True,
-        )
-
-    # Every start-up check before anything is written to MODEL_DIR: the metrics port, the eval
-    # data, the checkpoints to resume (a run that cannot start leaves MODEL_DIR as it was).
-    exporter = _exporter(cfg)
-    evaluate = PeriodicEval(cfg["eval"], data_cfg, cfg["decode"], tokenizer, step).open(
-        run.train_steps
-    )
-    checkpoints = Checkpoints(model_dir, cfg["ckpt"], tokenizer.proto)
+        (model_dir / "config.gin").write_text(parts.config_text)
+        if not start or not identity.recorded(model_dir):
+            identity.record(model_dir, parts.identity)
+        if note:
+            print(note, flush=True)
+    writer = parts.open_writer(start)
     try:
-        start, state, note = _first_state(cfg, step, checkpoints, batches)
-        if agree(bool(stopped()), any):  # during start-up: nothing trained, nothing written
-            print(f"{stopped()}: stopped before step {start + 1}; nothing new to save", flush=True)
-            return {}
-        if jax.process_index() == 0:
-            (model_dir / "config.gin").write_text(configuration.operative_config())
-            if not start or not identity.recorded(model_dir):
-                identity.record(model_dir, pinned)
-            if note:
-                print(note, flush=True)
-        writer = _metrics_writer(cfg, start, exporter)
-        try:
-            return _loop(cfg, step, state, batches, checkpoints, writer, start, evaluate)
-        finally:
-            writer.close()
+        return _steps(exp, parts, state, writer, start)
     finally:
-        checkpoints.close()
+        writer.close()
 
 
-def _first_state(cfg: dict, step, checkpoints, batches) -> tuple:
+def _first_state(exp: Experiment, parts: Parts) -> tuple[int, TrainState, str]:
     """(step, state, what to say of it): the newest checkpoint's, or a fresh state (with
     `init_from`'s parameters if set)."""
-    import jax
-
-    from longt5_jax.formats.native import resolve, restore_params
-
+    step = parts.step
     # A resumed run never initialises: the restore fills the state's shapes in place.
-    start, state = checkpoints.resume(step.abstract_state, batches)
+    start, state = parts.checkpoints.resume(step.abstract_state, parts.batches)
     if start:
-        return start, state, f"resumed from step {start} in {cfg['run'].model_dir}/checkpoints"
-    state = step.init(jax.random.key(cfg["run"].seed))
-    if not cfg["ckpt"].init_from:
+        return start, state, f"resumed from step {start} in {exp.run.model_dir}/checkpoints"
+    state = step.init(jax.random.key(exp.run.seed))
+    if not exp.ckpt.init_from:
         return 0, state, ""
-    source = resolve(cfg["ckpt"].init_from)
+    source = resolve(exp.ckpt.init_from)
     state = state.replace(params=restore_params(source, step.abstract_state.params))
     return 0, state, f"parameters from {source}; optimizer and step start anew"
-
-
-def _tokenizer(cfg: dict) -> tuple:
-    """The run's tokenizer, checked against the model, and the run's identity (tokenizer, model,
-    objective), checked against the run it resumes."""
-    from longt5_jax import configuration
-    from longt5_jax.data.pipeline import load_tokenizer
-    from longt5_jax.training import identity
-
-    model_cfg, data_cfg = cfg["model"], cfg["data"]
-    tokenizer = load_tokenizer(data_cfg)
-    pinned = identity.of(tokenizer.proto, str(tokenizer.path), model_cfg, data_cfg.objective)
-    identity.check(cfg["run"].model_dir, pinned)  # a resume is the run it resumes, or refused
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise configuration.ConfigError(
-            f"LongT5Config.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-            f"{tokenizer.vocab_size} ids (use {tokenizer.padded_vocab_size})"
-        )
-    return tokenizer, pinned
-
-
-def _exporter(cfg: dict):
-    """The opt-in Prometheus endpoint, its port taken now (a port in use is a start-up error)."""
-    import jax
-
-    from longt5_jax.configuration import ConfigError
-
-    run = cfg["run"]
-    if not run.prometheus_port:
-        return None
-    from longt5_jax.training.prometheus import PrometheusExporter
-
-    try:
-        return PrometheusExporter(run.prometheus_port, run.prometheus_host, jax.process_index())
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _metrics_writer(cfg: dict, start: int, exporter):
-    """Logs, TensorBoard, the Prometheus endpoint if any, and MFU where the peak is known."""
-    import jax
-
-    from longt5_jax.plan.flops import train_flops_per_step
-    from longt5_jax.training.metrics import MetricsWriter, peak_flops
-
-    run, data = cfg["run"], cfg["data"]
-    return MetricsWriter(
-        run.model_dir,
-        run.train_steps,
-        resume_step=start,
-        exporter=exporter,
-        flops_per_step=train_flops_per_step(
-            cfg["model"], data.batch_size, data.input_length, data.target_length
-        ),
-        peak_flops=peak_flops(jax.devices(), run.peak_flops_per_device),
-    )
 
 
 class NonFiniteError(RunFault):
@@ -155,27 +90,21 @@ class DataExhausted(RunFault):
     """The training data ran out (a finite number of epochs) before the last step."""
 
     @classmethod
-    def after(cls, step: int, cfg: dict) -> DataExhausted:
+    def after(cls, step: int, exp: Experiment) -> DataExhausted:
         kept = f"step {step} is saved" if step else "no step was trained"
         return cls(
-            f"the training data ran out after step {step} of {cfg['run'].train_steps} "
-            f"(DataConfig.num_epochs={cfg['data'].num_epochs}); {kept}: rerun with more data, "
+            f"the training data ran out after step {step} of {exp.run.train_steps} "
+            f"(DataConfig.num_epochs={exp.data.num_epochs}); {kept}: rerun with more data, "
             f"more epochs or RunConfig.train_steps <= {step}"
         )
 
 
-def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, evaluate) -> dict:
+def _steps(exp: Experiment, parts: Parts, state: TrainState, writer: MetricsWriter, start: int):
     """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
-    import jax
-
-    from longt5_jax import configuration
-    from longt5_jax.data.pipeline import global_batch
-    from longt5_jax.training.metrics import StepProfiler
-    from longt5_jax.training.optim import learning_rate_at
-
-    run, skip = cfg["run"], cfg["step"].skip_nonfinite
-    rng = jax.random.key(run.seed + 1) if cfg["model"].dropout_rate > 0 else None
-    config = {"gin": configuration.operative_config(), "model": dataclasses.asdict(cfg["model"])}
+    run, skip, step, batches = exp.run, exp.step.skip_nonfinite, parts.step, parts.batches
+    checkpoints, evaluate = parts.checkpoints, parts.evaluate
+    rng = jax.random.key(run.seed + 1) if exp.model.dropout_rate > 0 else None
+    config = {"gin": parts.config_text, "model": dataclasses.asdict(exp.model)}
     profiler = StepProfiler(run.model_dir, run.profile_start, run.profile_steps)
     row, bad_steps, pending, saved = {}, 0, [], start
     for i in range(start, run.train_steps):
@@ -185,7 +114,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
             if i > saved:
                 _nonfinite(pending, skip)
                 checkpoints.save(i, state, batches, config, force=True)
-            raise DataExhausted.after(i, cfg)
+            raise DataExhausted.after(i, exp)
         profiler.before(i + 1)
         # Counted on the host copy: reading the global arrays would stall the step pipeline.
         tokens = sum(int((local[f"{p}_segment_ids"] > 0).sum()) for p in ("encoder", "decoder"))
@@ -207,9 +136,7 @@ def _loop(cfg: dict, step, state, batches, checkpoints, writer, start: int, eval
         if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
-            row = writer.write(
-                i + 1, {**values, "learning_rate": learning_rate_at(cfg["optim"], i)}
-            )
+            row = writer.write(i + 1, {**values, "learning_rate": learning_rate_at(exp.optim, i)})
         if evaluate.due(i + 1):
             with writer.paused():
                 writer.write_eval(i + 1, evaluate(i + 1, state.params))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,7 +187,6 @@ def _summary_writer() -> type:
     """tensorboardX's SummaryWriter, imported without torch: where torch is installed,
     tensorboardX imports it only to accept its tensors (we log floats), which costs every
     training process 1.5 s of start-up."""
-    import sys
 
     hidden = "torch" not in sys.modules
     if hidden:

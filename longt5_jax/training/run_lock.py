@@ -34,7 +34,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from longt5_jax.cli import UsageError
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from longt5_jax.errors import UsageError
 
 LOCK_NAME = "train.lock"  # one of cli.RUN_FILES: no command writes over it
 HEARTBEAT_S = 30.0
@@ -226,7 +230,6 @@ def held(model_dir: str | Path) -> Iterator[None]:
     guard nothing more, and would leave records of process ids a run resumed on fewer processes
     no longer has.
     """
-    import jax
 
     lock, refusal = None, ""
     if jax.process_index() == 0:
@@ -250,12 +253,9 @@ def held(model_dir: str | Path) -> Iterator[None]:
 
 def _from_process_0(text: str, size: int = 2048) -> str:
     """Process 0's `text`, on every process."""
-    import jax
 
     if jax.process_count() == 1:
         return text
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     data = np.frombuffer(text.encode()[:size].ljust(size, b"\0"), np.uint8)
     return bytes(multihost_utils.broadcast_one_to_all(data)).rstrip(b"\0").decode(errors="replace")

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.cli import UsageError
+from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, abstract_params, init_params
+from longt5_jax.model.loss import eval_stats, summed_loss
 from longt5_jax.parallel.mesh import MeshConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
@@ -32,7 +33,6 @@ from longt5_jax.parallel.sharding import (
     tree_shardings,
 )
 from longt5_jax.parallel.xla_options import compiler_options
-from longt5_jax.training.loss import cross_entropy
 from longt5_jax.training.optim import moment_axes
 
 Batch = dict[str, jax.Array]
@@ -65,42 +65,11 @@ class TrainState:
     opt_state: Any
 
 
-def _summed_loss(model: LongT5, params: Any, batch: Batch, z_loss: float, rng: jax.Array | None):
-    logits = model.apply(
-        {"params": params},
-        batch["encoder_input_tokens"],
-        None,
-        batch["decoder_input_tokens"],
-        encoder_segment_ids=batch["encoder_segment_ids"],
-        encoder_positions=batch["encoder_positions"],
-        decoder_segment_ids=batch["decoder_segment_ids"],
-        deterministic=rng is None,
-        rngs=None if rng is None else {"dropout": rng},
-        row_ids=batch.get("row_ids"),
-    )
-    per_token, z_term = cross_entropy(logits, batch["decoder_target_tokens"], z_loss)
-    weights = batch["decoder_loss_weights"]
-    correct = jnp.argmax(logits, -1) == batch["decoder_target_tokens"]
-    stats = {
-        "loss_sum": jnp.sum(per_token * weights),
-        "z_loss_sum": jnp.sum(z_term * weights),
-        "weight": jnp.sum(weights),
-        "correct": jnp.sum(correct * weights),
-    }
-    return stats["loss_sum"], stats
-
-
-@functools.partial(jax.jit, static_argnames="model")
-def eval_stats(model: LongT5, params: Any, batch: Batch) -> dict[str, jax.Array]:
-    """Summed loss (no z-loss), weight and correct tokens of `batch`, deterministic."""
-    return _summed_loss(model, params, batch, 0.0, None)[1]
-
-
 def loss_and_grads(
     model: LongT5, cfg: StepConfig, params: Any, batch: Batch, rng: jax.Array | None
 ) -> tuple[dict[str, jax.Array], Any]:
     """Summed statistics and summed gradients over `cfg.microbatches` slices of the batch."""
-    raw_grad = jax.grad(lambda p, b, r: _summed_loss(model, p, b, cfg.z_loss, r), has_aux=True)
+    raw_grad = jax.grad(lambda p, b, r: summed_loss(model, p, b, cfg.z_loss, r), has_aux=True)
 
     def grad_fn(p, b, r):
         if cfg.grad_dtype == "bfloat16":
@@ -307,6 +276,6 @@ class ShardedStep:
     @functools.cached_property
     def _eval_region(self):
         def stats(params, batch):
-            return _summed_loss(self.model, params, batch, 0.0, None)[1]
+            return summed_loss(self.model, params, batch, 0.0, None)[1]
 
         return jax.jit(functools.partial(self.region.stats, stats))

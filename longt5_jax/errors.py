@@ -1,0 +1,18 @@
+"""The error kinds every layer raises, and the one boundary (`cli.run`) turns into exit codes.
+
+The bottom of the package: it imports nothing of ours, so the model, data, parallel and training
+layers can say what went wrong without reaching up to the command line.
+"""
+
+
+class UsageError(ValueError):
+    """Bad input the user can fix, said in one line naming the file, field or value (exit 2)."""
+
+
+class ConfigError(UsageError):
+    """A gin file or binding that cannot be used, in one line."""
+
+
+class RunFault(RuntimeError):
+    """A run that cannot go on for a reason of its own, not bad input; what it saved is safe
+    (exit 1)."""
