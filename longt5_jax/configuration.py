@@ -7,6 +7,7 @@ file or binding; values are checked against the dataclass field types.
 from __future__ import annotations
 
 import re
+import sys
 import tokenize
 import types
 import typing
@@ -22,6 +23,12 @@ SECTIONS = Experiment.section_types()
 CONFIGURABLE = {
     cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in SECTIONS.values()
 }
+# Gin names that were renamed, old -> new, kept working for one release: a binding to the old
+# name still applies (the new name's own bindings win) and says once what to write instead.
+RENAMED = {"MeshConfig": "ParallelConfig"}
+for _old, _new in RENAMED.items():
+    gin.external_configurable(next(c for c in SECTIONS.values() if c.__name__ == _new), name=_old)
+_WARNED: set[str] = set()
 
 
 _SEARCH_PATHS: list[str] = []
@@ -114,15 +121,35 @@ def from_args(
 def build(cls: type) -> typing.Any:
     """An instance of a registered dataclass from the parsed bindings, each checked by type."""
     hints = typing.get_type_hints(cls)
-    for field, value in gin.get_bindings(cls.__name__).items():
+    own = gin.get_bindings(cls.__name__)
+    old = _renamed_bindings(cls.__name__, set(own))
+    for field, value in {**own, **old}.items():
         if field in hints and not _matches(value, hints[field]):
             raise ConfigError(
                 f"{cls.__name__}.{field} = {value!r}: expected {_describe(hints[field])}"
             )
     try:
-        return CONFIGURABLE[cls.__name__]()
+        return CONFIGURABLE[cls.__name__](**old)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
+
+
+def _renamed_bindings(name: str, bound: set[str]) -> dict[str, typing.Any]:
+    """The bindings still made to `name`'s old gin name (those the new name leaves unset), each
+    old name said once on stderr with what to write instead."""
+    found = {}
+    for old in (o for o, new in RENAMED.items() if new == name):
+        legacy = gin.get_bindings(old)
+        if legacy and old not in _WARNED:
+            _WARNED.add(old)
+            field = next(iter(legacy))
+            print(
+                f"warning: {old}.{field}: the gin name {old} is deprecated, write {name}.{field} "
+                "(the old name works for this release only)",
+                file=sys.stderr,
+            )
+        found |= {k: v for k, v in legacy.items() if k not in bound}
+    return found
 
 
 def _matches(value: typing.Any, hint: typing.Any) -> bool:

@@ -26,7 +26,7 @@ from longt5_jax.formats.native import resolve, saved_config
 from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
 from longt5_jax.parallel.devices import cpu_devices
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -137,8 +137,8 @@ def predict(args: argparse.Namespace) -> int:
         raise ValueError(f"{step_dir}: its config names no input length: pass --input_length")
     fields = ("max_length", "num_beams", "length_penalty", "temperature", "top_k", "top_p", "seed")
     decode = DecodeConfig(**{f: getattr(args, f) for f in fields})
-    plan = MeshConfig(data=-1, tensor=args.tensor, zero_stage=0)
-    generator, _ = from_checkpoint(step_dir, plan, decode, args.max_length)
+    parallel = ParallelConfig(data=-1, tensor=args.tensor, zero_stage=0)
+    generator, _ = from_checkpoint(step_dir, parallel, decode, args.max_length)
     data = generator.mesh.shape["data"]
     rows = -(-args.batch_size // data) * data  # whole rows for every data rank
 

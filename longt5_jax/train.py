@@ -20,7 +20,7 @@ from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.errors import ConfigError
 from longt5_jax.model import LongT5, count_params
 from longt5_jax.parallel.devices import cpu_devices
-from longt5_jax.parallel.mesh import check_fits, make_mesh
+from longt5_jax.parallel.mesh import make_mesh
 from longt5_jax.plan.flops import train_flops_per_step
 from longt5_jax.training import distributed, identity, loop, run_lock
 from longt5_jax.training.checkpoint import Checkpoints
@@ -55,17 +55,7 @@ def _train(argv: list[str]) -> int:
     devices = (processes and processes.cpu_devices) or exp.run.cpu_devices
     cpu_devices(devices)
     distributed.initialize(processes, devices)
-    model = exp.model
-    check_fits(
-        exp.parallel,
-        jax.device_count(),
-        model.num_heads,
-        model.d_ff,
-        model.vocab_size,
-        exp.data.batch_size,
-        (model.num_encoder_layers, model.num_decoder_layers),
-        exp.step.microbatches,
-    )
+    exp.check_fits(jax.device_count())
     with run_lock.held(model_dir):  # before anything in MODEL_DIR is written
         parts = _parts(exp)
         try:
@@ -82,7 +72,7 @@ def _parts(exp: Experiment) -> loop.Parts:
     tokenizer, pinned = _tokenizer(exp)
     batches = iter(make_dataset(exp.data, tokenizer, "train"))
     mesh = make_mesh(exp.parallel)
-    model = LongT5(exp.model, runner=exp.parallel.pipeline_plan())
+    model = LongT5(exp.model, runner=exp.parallel.pipeline_schedule())
     step = ShardedStep(model, exp.step, make_optimizer(exp.optim), mesh, exp.parallel)
     if jax.process_index() == 0:
         print(

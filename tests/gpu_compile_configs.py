@@ -12,7 +12,7 @@ aborts the process) fails the test naming the file instead of killing the test r
 import json
 import sys
 
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import targets
 
 targets.prepare_environment()
@@ -32,10 +32,10 @@ def main(paths: list[str]) -> int:
     layers = dict(num_encoder_layers=4, num_decoder_layers=4)
     config = LongT5Config.preset("tiny", "tglobal", dtype="bfloat16", remat="full", **layers)
     for path in paths:
-        configuration.parse([path], ["MeshConfig.data = -1"])
-        plan = configuration.build(MeshConfig)
+        configuration.parse([path], ["ParallelConfig.data = -1"])
+        parallel = configuration.build(ParallelConfig)
         print(f"compiling {path}", file=sys.stderr, flush=True)
-        compiled = compile_ahead.compile_for(config, plan, devices, 4, SHAPE, STEP)
+        compiled = compile_ahead.compile_for(config, parallel, devices, 4, SHAPE, STEP)
         mesh = compiled.step.mesh
         tensor_nodes = [  # the nodes of each tensor group's devices
             sorted({d.process_index for d in mesh.devices[i, :, j]})

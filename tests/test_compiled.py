@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import compile_ahead as aot
 from longt5_jax.plan import flops, hlo
 
@@ -42,7 +42,7 @@ def zero_expected(step, stage: int, cpu: bool) -> dict:
 
 
 def _measured(zero_stage: int) -> tuple[dict, dict, hlo.Memory]:
-    step = aot.sharded_step(CONFIG, MeshConfig(data=8, zero_stage=zero_stage))
+    step = aot.sharded_step(CONFIG, ParallelConfig(data=8, zero_stage=zero_stage))
     exe = aot.compile_step(step, *SHAPE)
     measured = hlo.bytes_by_kind(hlo.collectives(exe.as_text()))
     return measured, zero_expected(step, zero_stage, cpu=True), hlo.memory(exe)

@@ -187,17 +187,17 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy():
 @pytest.mark.parametrize("beams", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_decoding_on_a_data_tensor_mesh_equals_one_device(beams):
     from longt5_jax.infer.generator import Generator, param_shardings
-    from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+    from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 
     config, params, _ = _setup("transient-global")
     batch = padded_batch(config, [29, 18, 5, 12], [1] * 4, 29, 1, seed=3)
     cfg = DecodeConfig(num_beams=beams)
     model = LongT5(config)
     single = generate(model, params, batch.input_ids, batch.attention_mask, cfg, STEPS)
-    plan = MeshConfig(data=4, tensor=2, zero_stage=0)
-    mesh = make_mesh(plan)
+    parallel = ParallelConfig(data=4, tensor=2, zero_stage=0)
+    mesh = make_mesh(parallel)
     sharded = jax.device_put(params, param_shardings(config, mesh, 0))
-    tokens, scores = Generator(model, sharded, mesh, plan, cfg, STEPS)(
+    tokens, scores = Generator(model, sharded, mesh, parallel, cfg, STEPS)(
         batch.input_ids, batch.attention_mask
     )
     assert tokens.sharding.spec[0] == "data"

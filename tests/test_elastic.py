@@ -22,7 +22,7 @@ from longt5_jax.data.objectives import split_sentences
 # A chain starts and ends on one process where it can: those segments run in the test's own
 # process, whose programs are compiled already, while each process started costs ~12 CPU-s.
 CHAINS = {True: (1, 2, 4, 2, 1), False: (2, 4, 1)}
-OTHER_MESH = ["--gin.MeshConfig.data=8", "--gin.MeshConfig.tensor=1", "--gin.ZERO_STAGE=1"]
+OTHER_MESH = ["--gin.ParallelConfig.data=8", "--gin.ParallelConfig.tensor=1", "--gin.ZERO_STAGE=1"]
 # One learning-rate schedule for every chain: every parametrisation then runs the same programs
 # (per process count and mesh), which later ones read back from the persistent cache.
 TOTAL_STEPS = 2 * max(map(len, CHAINS.values()))

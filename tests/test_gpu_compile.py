@@ -23,7 +23,7 @@ from test_compiled import zero_expected
 
 from longt5_jax import configuration
 from longt5_jax.model import LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, hlo_module, targets
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.step import StepConfig
@@ -47,14 +47,14 @@ def zero_steps(a100):
     """DP32 at each ZeRO stage, compiled once for the module."""
     _, devices, _ = a100
     return {
-        stage: compile_ahead.compile_for(CONFIG, MeshConfig(-1, 1, 1, stage), devices, 4, SHAPE)
+        stage: compile_ahead.compile_for(CONFIG, ParallelConfig(-1, 1, 1, stage), devices, 4, SHAPE)
         for stage in (0, 1, 2, 3)
     }
 
 
 def _tensor_degree(path: str) -> int:
     configuration.parse([path], [])
-    return configuration.build(configuration.MeshConfig).tensor
+    return configuration.build(configuration.ParallelConfig).tensor
 
 
 def _compile_configs(paths: list[str]) -> subprocess.CompletedProcess:
@@ -100,9 +100,9 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
     )  # fmt: skip
     for row in rows:
         assert all(len(nodes) == 1 for nodes in row["tensor_nodes"]), row["path"]
-        configuration.parse([row["path"]], ["MeshConfig.data = -1"])
-        plan = configuration.build(configuration.MeshConfig)
-        layout = comm_model.Layout.of(plan, 32, script.STEP, script.SHAPE)
+        configuration.parse([row["path"]], ["ParallelConfig.data = -1"])
+        parallel = configuration.build(configuration.ParallelConfig)
+        layout = comm_model.Layout.of(parallel, 32, script.STEP, script.SHAPE)
         want = comm_model.by_kind(comm_model.volumes(shapes, layout))
         for kind, (got, model, ratio) in comm_model.compare(row["bytes"], want).items():
             assert ratio is not None and 1 / 1.15 <= ratio <= 1.15, (row["path"], kind, got, model)
@@ -153,7 +153,7 @@ def test_bytes_go_to_nvlink_inside_a_node_and_infiniband_across(a100):
     each node (InfiniBand). Tensor 8 cannot fit a node: the mesh says so, and its tensor
     traffic crosses nodes."""
     _, devices, cluster = a100
-    local = compile_ahead.compile_for(CONFIG, MeshConfig(8, 4, 1, 0), devices, 4, SHAPE)
+    local = compile_ahead.compile_for(CONFIG, ParallelConfig(8, 4, 1, 0), devices, 4, SHAPE)
     near = local.analyse(cluster)["collectives"]
     tensor = near["kind_link"].get("all-reduce nvlink", 0)
     assert tensor > 0 and near["axes"]["all-reduce over tensor"] == pytest.approx(tensor, rel=1e-6)
@@ -162,7 +162,7 @@ def test_bytes_go_to_nvlink_inside_a_node_and_infiniband_across(a100):
     assert tensor_ops and not any(op.spans(4) for op in tensor_ops)
     wide = LongT5Config.preset("tiny", "local", d_model=64, d_ff=256, d_kv=8, num_heads=8)
     with pytest.warns(UserWarning, match="tensor=8 does not divide the 4 devices of a node"):
-        spread = compile_ahead.compile_for(wide, MeshConfig(4, 8, 1, 0), devices, 4, SHAPE)
+        spread = compile_ahead.compile_for(wide, ParallelConfig(4, 8, 1, 0), devices, 4, SHAPE)
     far = spread.analyse(cluster)["collectives"]
     assert far["axes"]["all-reduce over tensor"] > 0
     assert far["kind_link"].get("all-reduce nvlink", 0) == 0  # every tensor group spans nodes
@@ -174,7 +174,7 @@ def test_accumulation_reduces_once(a100, zero_steps):
     _, devices, _ = a100
     one = zero_steps[2]
     four = compile_ahead.compile_for(
-        CONFIG, MeshConfig(-1, 1, 1, 2), devices, 4, SHAPE, StepConfig(microbatches=4)
+        CONFIG, ParallelConfig(-1, 1, 1, 2), devices, 4, SHAPE, StepConfig(microbatches=4)
     )
     got, want = (sum(hlo.bytes_by_kind(c.collectives).values()) for c in (four, one))
     print(f"4 microbatches {got:.0f} bytes, 1 microbatch {want:.0f}")
@@ -191,9 +191,9 @@ def test_a_pipeline_moves_little_more_than_without(a100):
     # Stacks deep enough for 4 layers a stage, fully rematerialised, as pipelined models are.
     deep = dict(num_encoder_layers=8, num_decoder_layers=8, remat="full")
     config = LongT5Config.preset("tiny", "tglobal", d_model=64, d_ff=256, d_kv=16, **deep)
-    plain = compile_ahead.compile_for(config, MeshConfig(8, 4, 1, 1), devices, 4, SHAPE)
+    plain = compile_ahead.compile_for(config, ParallelConfig(8, 4, 1, 1), devices, 4, SHAPE)
     piped = compile_ahead.compile_for(
-        config, MeshConfig(4, 4, 2, 1, pipeline_microbatches=16), devices, 4, SHAPE
+        config, ParallelConfig(4, 4, 2, 1, pipeline_microbatches=16), devices, 4, SHAPE
     )
     got, want = (sum(hlo.bytes_by_kind(c.collectives).values()) for c in (piped, plain))
     print(f"pipelined {got:.0f} bytes, not {want:.0f}")

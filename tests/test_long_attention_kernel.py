@@ -21,7 +21,7 @@ from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, relative_positions_3block
 from longt5_jax.model.transformer import LongT5
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.plan import compile_ahead, hlo, targets
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -101,7 +101,9 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
     dropout: a step given a key, the hash inside every kernel)."""
     devices = targets.devices(targets.load(target), 1, 1)
     config = dataclasses.replace(GPU_CONFIG, dropout_rate=dropout)
-    step = compile_ahead.sharded_step(config, MeshConfig(1, 1, 1, 0), devices=devices, per_node=1)
+    step = compile_ahead.sharded_step(
+        config, ParallelConfig(1, 1, 1, 0), devices=devices, per_node=1
+    )
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct((), key.dtype, sharding=NamedSharding(step.mesh, PartitionSpec()))
     batch = compile_ahead.abstract_batch(step, 2, 128, 16)
@@ -115,11 +117,11 @@ def test_the_kernels_compile_in_pipeline_stages_and_move_no_more_bytes():
     stage's rows and the step's collectives are those of the XLA path."""
     devices = targets.devices(targets.load("h100-80gb"), 1, 2)
     deep = dict(num_encoder_layers=4, num_decoder_layers=4, remat="full")
-    plan = MeshConfig(1, 1, 2, 0, pipeline_microbatches=4)
+    parallel = ParallelConfig(1, 1, 2, 0, pipeline_microbatches=4)
     steps = {
         kernel: compile_ahead.compile_for(
             dataclasses.replace(GPU_CONFIG, attention_kernel=kernel, **deep),
-            plan,
+            parallel,
             devices,
             2,
             (8, 128, 16),
@@ -140,7 +142,7 @@ def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes()
     steps = {
         kernel: compile_ahead.compile_for(
             dataclasses.replace(GPU_CONFIG, attention_kernel=kernel),
-            MeshConfig(2, 2, 1, 1),
+            ParallelConfig(2, 2, 1, 1),
             devices,
             4,
             (8, 128, 16),
@@ -159,9 +161,9 @@ def test_sharded_steps_with_the_kernels_equal_one_device(mesh, dropout):
     follow the rows and heads, not the layout."""
     tiny = LongT5Config.preset("tiny", dropout_rate=dropout)
 
-    def run(config, plan, devices):
+    def run(config, parallel, devices):
         step = ShardedStep(
-            LongT5(config), StepConfig(), optax.sgd(0.5), make_mesh(plan, devices), plan
+            LongT5(config), StepConfig(), optax.sgd(0.5), make_mesh(parallel, devices), parallel
         )
         state, losses = step.init(jax.random.key(0)), []
         for i, batch in enumerate(test_step._batches(n=2)):
@@ -170,9 +172,9 @@ def test_sharded_steps_with_the_kernels_equal_one_device(mesh, dropout):
             losses.append(float(metrics["loss"]))
         return np.array(losses), jax.tree.map(np.asarray, state.params)
 
-    want = run(tiny, MeshConfig(data=1), jax.devices()[:1])
+    want = run(tiny, ParallelConfig(data=1), jax.devices()[:1])
     pallas = dataclasses.replace(tiny, attention_kernel="pallas")
-    test_step._assert_same(run(pallas, MeshConfig(*mesh), jax.devices()[:4]), want)
+    test_step._assert_same(run(pallas, ParallelConfig(*mesh), jax.devices()[:4]), want)
 
 
 class _DecoderAttention(nn.Module):
@@ -234,11 +236,11 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
 
 
 def test_tensor_parallel_kernels_inside_accumulation_or_stages_are_refused_in_one_line():
-    plan = MeshConfig(2, 2, 1, 0)
-    with pytest.raises(UsageError, match="MeshConfig.tensor > 1 runs without accumulation"):
+    parallel = ParallelConfig(2, 2, 1, 0)
+    with pytest.raises(UsageError, match="ParallelConfig.tensor > 1 runs without accumulation"):
         ShardedStep(
             LongT5(GPU_CONFIG), StepConfig(microbatches=2), optax.sgd(0.1),
-            make_mesh(plan, jax.devices()[:4]), plan,
+            make_mesh(parallel, jax.devices()[:4]), parallel,
         )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from test_train import TINY_RUN
 from longt5_jax import train
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel import offload
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.plan import compile_ahead, targets
 from longt5_jax.training.optim import make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
@@ -31,10 +31,10 @@ PLANS = {
 OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-2), "adafactor": lambda: make_optimizer(ADAFACTOR)}
 
 
-def _run(plan, optimizer, mode, microbatches=1, grad_dtype="float32", steps=3):
-    cfg = MeshConfig(**PLANS[plan], offload=mode)
+def _run(parallel, optimizer, mode, microbatches=1, grad_dtype="float32", steps=3):
+    cfg = ParallelConfig(**PLANS[parallel], offload=mode)
     step = ShardedStep(
-        LongT5(CONFIG, runner=cfg.pipeline_plan()),
+        LongT5(CONFIG, runner=cfg.pipeline_schedule()),
         StepConfig(microbatches=microbatches, grad_dtype=grad_dtype),
         OPTIMIZERS[optimizer](),
         make_mesh(cfg),
@@ -69,13 +69,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("plan, optimizer, microbatches, grad_dtype, modes", CASES)
-def test_offloaded_runs_equal_runs_on_the_device(plan, optimizer, microbatches, grad_dtype, modes):
-    want = _run(plan, optimizer, "none", microbatches, grad_dtype)
+@pytest.mark.parametrize("parallel, optimizer, microbatches, grad_dtype, modes", CASES)
+def test_offloaded_runs_equal_runs_on_the_device(
+    parallel, optimizer, microbatches, grad_dtype, modes
+):
+    want = _run(parallel, optimizer, "none", microbatches, grad_dtype)
     assert all(k == {"params": {"device"}, "opt_state": {"device"}} for k in want[2])
     for mode in modes.split(","):
         params_kind = "pinned_host" if mode == "optimizer_and_params" else "device"
-        losses, params, kinds, evaluated = _run(plan, optimizer, mode, microbatches, grad_dtype)
+        losses, params, kinds, evaluated = _run(parallel, optimizer, mode, microbatches, grad_dtype)
         np.testing.assert_array_equal(losses, want[0])
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want[1]), strict=True):
             np.testing.assert_array_equal(a, b)
@@ -97,7 +99,7 @@ def test_checkpoints_move_between_offloaded_and_device_runs(tmp_path):
 
     def run(steps, model_dir, mode):
         args = [f"--gin.RunConfig.train_steps={steps}", f"--gin.MODEL_DIR='{model_dir}'"]
-        assert train.main([*common, *args, f"--gin.MeshConfig.offload='{mode}'"]) == 0
+        assert train.main([*common, *args, f"--gin.ParallelConfig.offload='{mode}'"]) == 0
 
     run(4, whole, "none")
     run(2, split, "optimizer_and_params")
@@ -114,11 +116,11 @@ def test_a_platform_without_host_memory_is_a_one_line_error(monkeypatch):
             return [type("Memory", (), {"kind": "device"})()]
 
     monkeypatch.setattr(offload, "compile_only", lambda device: False)  # a device of this process
-    with pytest.raises(offload.NoHostMemory, match=r"MeshConfig.offload: the tpu devices have"):
+    with pytest.raises(offload.NoHostMemory, match=r"ParallelConfig.offload: the tpu devices have"):
         offload.check_host_memory(Device())
     offload.check_host_memory(jax.devices()[0])  # the CPU has pinned_host
-    with pytest.raises(ValueError, match="MeshConfig.offload='disk'"):
-        MeshConfig(offload="disk")
+    with pytest.raises(ValueError, match="ParallelConfig.offload='disk'"):
+        ParallelConfig(offload="disk")
 
 
 def _per_device_bytes(tree) -> int:
@@ -138,7 +140,7 @@ def test_the_compiled_gpu_step_keeps_offloaded_bytes_in_host_memory():
     got = {}
     for mode in offload.OFFLOADS:
         step = compile_ahead.compile_for(
-            config, MeshConfig(zero_stage=0, offload=mode), devices, 4, (128, 64, 16)
+            config, ParallelConfig(zero_stage=0, offload=mode), devices, 4, (128, 64, 16)
         )
         state = step.step.abstract_state
         got[mode] = step.memory(), step.host_transfers

@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from longt5_jax import configuration
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import AXES, MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import AXES, ParallelConfig, make_mesh
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -50,7 +50,7 @@ OPTIMIZERS = {
 
 def _shipped_stage(name: str) -> int:
     configuration.parse([str(ROOT / "configs" / "parallel" / f"{name}.gin")])
-    return configuration.build(MeshConfig).zero_stage
+    return configuration.build(ParallelConfig).zero_stage
 
 
 def _cases() -> list[tuple[str, int]]:
@@ -116,16 +116,18 @@ def specs_of(name: str, stage: int) -> dict[str, str]:
         [str(ROOT / MODEL), str(ROOT / "configs" / "parallel" / f"{name}.gin")],
         [f"ZERO_STAGE = {stage}"],
     )
-    plan = configuration.build(MeshConfig)
+    parallel = configuration.build(ParallelConfig)
     config = configuration.build(LongT5Config)
-    devices = plan.data * plan.tensor * plan.pipeline  # every shipped config names all three
+    devices = (
+        parallel.data * parallel.tensor * parallel.pipeline
+    )  # every shipped config names all three
     if devices == len(jax.devices()):
-        mesh = make_mesh(plan)
+        mesh = make_mesh(parallel)
     else:  # the cluster's 32 devices: only the mesh's shape matters for the specs
-        mesh = AbstractMesh(plan.shape(devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        mesh = AbstractMesh(parallel.shape(devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
     mesh_shape = dict(mesh.shape)
-    model = LongT5(config, runner=plan.pipeline_plan())
-    step = ShardedStep(model, StepConfig(), OPTIMIZER, mesh, plan)
+    model = LongT5(config, runner=parallel.pipeline_schedule())
+    step = ShardedStep(model, StepConfig(), OPTIMIZER, mesh, parallel)
     params, opt_state = _shapes(config)
     return {
         "mesh": " x ".join(f"{a} {n}" for a, n in mesh_shape.items()),

@@ -14,12 +14,15 @@ import pytest
 from test_step import _batches, _while_bodies
 
 from longt5_jax import train
+from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.model.loss import summed_loss
-from longt5_jax.parallel.mesh import MeshConfig, check_fits, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.parallel.pipeline import Pipeline, _segments
 from longt5_jax.parallel.rules import rules
 from longt5_jax.parallel.sharding import tree_shardings
+from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.step import StepConfig
 
 # (data, tensor, pipeline, microbatches, repeats, ZeRO stage)
 PLANS = {
@@ -56,7 +59,7 @@ def reference(batch):
         model = LongT5(_config(attention))
         ids = jnp.ones((1, 1), jnp.int32)
         params = nn.unbox(model.init(jax.random.key(0), ids, None, ids))["params"]
-        with jax.set_mesh(make_mesh(MeshConfig(data=1), jax.devices()[:1])):
+        with jax.set_mesh(make_mesh(ParallelConfig(data=1), jax.devices()[:1])):
             out[attention] = (
                 params,
                 jax.jit(_loss_and_grads, static_argnums=0)(model, params, batch),
@@ -66,7 +69,7 @@ def reference(batch):
 
 def _pipelined(plan_name, attention, reference, batch):
     data, tensor, stages, micro, repeats, zero = PLANS[plan_name]
-    plan = MeshConfig(
+    parallel = ParallelConfig(
         data=data,
         tensor=tensor,
         pipeline=stages,
@@ -74,8 +77,8 @@ def _pipelined(plan_name, attention, reference, batch):
         pipeline_microbatches=micro,
         pipeline_repeats=repeats,
     )
-    mesh = make_mesh(plan)
-    model = LongT5(_config(attention), runner=plan.pipeline_plan())
+    mesh = make_mesh(parallel)
+    model = LongT5(_config(attention), runner=parallel.pipeline_schedule())
     params = reference[attention][0]
     ids = jnp.ones((1, 1), jnp.int32)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, None, ids)["params"])
@@ -178,18 +181,18 @@ def test_pipeline_settings_that_cannot_work_are_one_line_errors(capsys):
     with pytest.raises(ValueError, match="microbatches=3 is not a multiple of stages=2"):
         Pipeline(2, 3)
     with pytest.raises(ValueError, match="pipeline_microbatches=2 is not a multiple of the 4"):
-        MeshConfig(pipeline=4, pipeline_microbatches=2)
-    plan = MeshConfig(data=2, pipeline=4, pipeline_repeats=2)
+        ParallelConfig(pipeline=4, pipeline_microbatches=2)
+    parallel = ParallelConfig(data=2, pipeline=4, pipeline_repeats=2)
     with pytest.raises(ValueError, match=r"num_encoder_layers=4 is not divisible by .* \(4 x 2\)"):
-        check_fits(plan, 8, 4, 64, 256, 32, (4, 8))
+        _check_fits(parallel, 32, (4, 8))
     with pytest.raises(ValueError, match=r"batch_size=8 is not divisible by pipeline .* \(8 x 2\)"):
-        check_fits(MeshConfig(data=2, pipeline=4), 8, 4, 64, 256, 8, (4, 4))
+        _check_fits(ParallelConfig(data=2, pipeline=4), 8, (4, 4))
     # Accumulation microbatches are strided row sets that each split over data.
     with pytest.raises(ValueError, match=r"data axis \(8\) x StepConfig.microbatches \(4\)"):
-        check_fits(MeshConfig(), 8, 4, 64, 256, 16, accumulation=4)
-    check_fits(MeshConfig(), 8, 4, 64, 256, 32, accumulation=4)
-    assert MeshConfig(pipeline=2).pipeline_plan() == Pipeline(2, 4, 1)
-    assert MeshConfig().pipeline_plan() is None
+        _check_fits(ParallelConfig(), 16, accumulation=4)
+    _check_fits(ParallelConfig(), 32, accumulation=4)
+    assert ParallelConfig(pipeline=2).pipeline_schedule() == Pipeline(2, 4, 1)
+    assert ParallelConfig().pipeline_schedule() is None
     # The demo's 2-layer stacks cannot be cut into 4 stages: the run says so and stops.
     rc = train.main(
         [
@@ -267,3 +270,13 @@ def test_circular_iterations_run_in_stretches_of_fixed_chunks(stages, micro, rep
                 assert at_work[t] == {chunk}, (t, chunk)
     assert selected == {t for t in range(iterations) if len(at_work[t]) > 1}
     assert len(selected) == (repeats - 1) * (stages - 1)
+
+
+def _check_fits(parallel: ParallelConfig, batch: int, layers=(4, 4), accumulation: int = 1):
+    """The layout check a run makes, for 4 heads, d_ff 64 and 256 ids over 8 devices."""
+    model = LongT5Config(
+        num_heads=4, d_ff=64, vocab_size=256, num_encoder_layers=layers[0],
+        num_decoder_layers=layers[1],
+    )  # fmt: skip
+    data, step = DataConfig(batch_size=batch), StepConfig(microbatches=accumulation)
+    Experiment(model=model, data=data, parallel=parallel, step=step).check_fits(8)

@@ -24,7 +24,7 @@ SMALL += ["--target_length", "16", "--batch_sizes", "16", "--show", "3"]
 
 def _check_gin(out: str) -> None:
     best = out.split("best, as gin flags:")[1]
-    assert "--gin.MeshConfig.data=" in best and "--gin.MeshConfig.zero_stage=" in best
+    assert "--gin.ParallelConfig.data=" in best and "--gin.ParallelConfig.zero_stage=" in best
     assert "--gin.LongT5Config.remat=" in best and "--gin.DataConfig.batch_size=16" in best
 
 
@@ -52,7 +52,7 @@ def test_plan_compiles_the_best_for_the_a100_cluster(capsys):
     assert "compiling 1/1" in out and "the GPU buffer assignment" in out
     assert "8 nodes x 4 GPUs, 80 GiB, 312 TFLOP/s" in out
     best = out.split("best, as gin flags:")[1]
-    assert "--gin.MeshConfig.data=" in best and "--gin.DataConfig.batch_size=64" in best
+    assert "--gin.ParallelConfig.data=" in best and "--gin.DataConfig.batch_size=64" in best
 
 
 def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
@@ -160,7 +160,7 @@ def test_offload_is_a_candidate_dimension_with_its_memory_and_pcie_cost():
     config = LongT5Config.preset("xl", "tglobal", dtype="bfloat16")
     found = candidates.enumerate_candidates(config, 32, 4, [128])
     assert {c.offload for c in found} == {"none", "optimizer", "optimizer_and_params"}
-    assert "--gin.MeshConfig.offload=\"'optimizer'\"" in next(
+    assert "--gin.ParallelConfig.offload=\"'optimizer'\"" in next(
         c.gin() for c in found if c.offload == "optimizer"
     )
     shapes = ModelShapes.of(config, make_optimizer(OptimizerConfig(name="adamw")))

@@ -26,8 +26,8 @@ RUN = [
     "--gin.RunConfig.train_steps=8",
     "--gin.OptimizerConfig.total_steps=8",
     "--gin.CheckpointConfig.save_every=2",
-    "--gin.MeshConfig.data=2",
-    "--gin.MeshConfig.tensor=1",
+    "--gin.ParallelConfig.data=2",
+    "--gin.ParallelConfig.tensor=1",
 ]
 JOB = ["--ntasks=2", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--time=10"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from longt5_jax.data import batching
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -68,8 +68,8 @@ def _run(mesh_cfg, optimizer, microbatches=1, devices=None, batches=None, **step
 def reference():
     one = jax.devices()[:1]
     return {
-        "sgd": _run(MeshConfig(data=1, zero_stage=0), optax.sgd(0.5), devices=one),
-        "adamw": _run(MeshConfig(data=1, zero_stage=0), optax.adamw(1e-2), devices=one)[0],
+        "sgd": _run(ParallelConfig(data=1, zero_stage=0), optax.sgd(0.5), devices=one),
+        "adamw": _run(ParallelConfig(data=1, zero_stage=0), optax.adamw(1e-2), devices=one)[0],
     }
 
 
@@ -94,7 +94,7 @@ _GRID = [
 @pytest.mark.parametrize("mesh, zero_stage", _GRID)
 def test_sharded_steps_equal_one_device(reference, mesh, zero_stage):
     data, tensor = MESHES[mesh]
-    cfg = MeshConfig(data=data, tensor=tensor, zero_stage=zero_stage)
+    cfg = ParallelConfig(data=data, tensor=tensor, zero_stage=zero_stage)
     _assert_same(_run(cfg, optax.sgd(0.5)), reference["sgd"])
 
 
@@ -110,19 +110,19 @@ ADAFACTOR = OptimizerConfig(
 @pytest.mark.slow
 def test_adaptive_optimizer_losses_equal_one_device(reference):
     # Measured: 2.4e-7 relative for both (2 float32 ulps).
-    losses, _ = _run(MeshConfig(data=4, tensor=2, zero_stage=3), optax.adamw(1e-2))
+    losses, _ = _run(ParallelConfig(data=4, tensor=2, zero_stage=3), optax.adamw(1e-2))
     np.testing.assert_allclose(losses, reference["adamw"], rtol=1e-6)
     one = _run(
-        MeshConfig(data=1, zero_stage=0), make_optimizer(ADAFACTOR), devices=jax.devices()[:1]
+        ParallelConfig(data=1, zero_stage=0), make_optimizer(ADAFACTOR), devices=jax.devices()[:1]
     )[0]
-    sharded = _run(MeshConfig(data=4, tensor=2, zero_stage=3), make_optimizer(ADAFACTOR))[0]
+    sharded = _run(ParallelConfig(data=4, tensor=2, zero_stage=3), make_optimizer(ADAFACTOR))[0]
     np.testing.assert_allclose(sharded, one, rtol=1e-6)
 
 
 def test_adafactor_factored_moments_follow_their_parameters():
-    plan = MeshConfig(data=4, tensor=2, zero_stage=1)
+    parallel = ParallelConfig(data=4, tensor=2, zero_stage=1)
     step = ShardedStep(
-        LongT5(CONFIG), StepConfig(), make_optimizer(ADAFACTOR), make_mesh(plan), plan
+        LongT5(CONFIG), StepConfig(), make_optimizer(ADAFACTOR), make_mesh(parallel), parallel
     )
     state = step.init(jax.random.key(0))
     shapes = {}
@@ -139,9 +139,9 @@ def test_factored_moments_of_a_square_kernel_keep_their_own_axis_split():
     """d_ff == d_model: the sizes of wi's [layers, d_model, d_ff] cannot tell its row moment
     from its column moment; the axes Adafactor keeps do (d_model: ZeRO's data, d_ff: tensor)."""
     config = LongT5Config.preset("tiny", d_ff=32)
-    plan = MeshConfig(data=4, tensor=2, zero_stage=1)
+    parallel = ParallelConfig(data=4, tensor=2, zero_stage=1)
     step = ShardedStep(
-        LongT5(config), StepConfig(), make_optimizer(ADAFACTOR), make_mesh(plan), plan
+        LongT5(config), StepConfig(), make_optimizer(ADAFACTOR), make_mesh(parallel), parallel
     )
     opt = step.state_shardings.opt_state
 
@@ -154,7 +154,9 @@ def test_factored_moments_of_a_square_kernel_keep_their_own_axis_split():
 
 
 def test_bfloat16_gradient_reduction_stays_close(reference):
-    losses, params = _run(MeshConfig(data=8, zero_stage=2), optax.sgd(0.5), grad_dtype="bfloat16")
+    losses, params = _run(
+        ParallelConfig(data=8, zero_stage=2), optax.sgd(0.5), grad_dtype="bfloat16"
+    )
     # Measured: losses within 8.2e-5 relative, parameters within 5.2e-3 of each leaf's largest
     # (bfloat16 keeps ~3 digits).
     np.testing.assert_allclose(losses, reference["sgd"][0], rtol=3e-4)
@@ -163,13 +165,13 @@ def test_bfloat16_gradient_reduction_stays_close(reference):
 
 
 def test_sequence_sharding_changes_layout_not_results(reference):
-    cfg = MeshConfig(data=4, tensor=2, zero_stage=1, sequence_sharding=True)
+    cfg = ParallelConfig(data=4, tensor=2, zero_stage=1, sequence_sharding=True)
     _assert_same(_run(cfg, optax.sgd(0.5)), reference["sgd"])
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_microbatches_equal_one_big_batch(reference, zero_stage):
-    cfg = MeshConfig(data=2, tensor=4, zero_stage=zero_stage)
+    cfg = ParallelConfig(data=2, tensor=4, zero_stage=zero_stage)
     _assert_same(_run(cfg, optax.sgd(0.5), microbatches=4), reference["sgd"])
 
 
@@ -182,13 +184,13 @@ DROPOUT_LAYOUTS = {
 }
 
 
-def _dropout_run(plan, microbatches=1, devices=None):
+def _dropout_run(parallel, microbatches=1, devices=None):
     step = ShardedStep(
-        LongT5(DROPOUT, runner=plan.pipeline_plan()),
+        LongT5(DROPOUT, runner=parallel.pipeline_schedule()),
         StepConfig(microbatches=microbatches),
         optax.sgd(0.5),
-        make_mesh(plan, devices),
-        plan,
+        make_mesh(parallel, devices),
+        parallel,
     )
     state, losses = step.init(jax.random.key(0)), []
     for i, batch in enumerate(_batches()):
@@ -199,7 +201,7 @@ def _dropout_run(plan, microbatches=1, devices=None):
 
 @pytest.fixture(scope="module")
 def dropout_reference():
-    return _dropout_run(MeshConfig(data=1, zero_stage=0), devices=jax.devices()[:1])
+    return _dropout_run(ParallelConfig(data=1, zero_stage=0), devices=jax.devices()[:1])
 
 
 @pytest.mark.parametrize("layout", DROPOUT_LAYOUTS)
@@ -208,18 +210,20 @@ def test_dropout_masks_follow_the_rows_not_the_layout(reference, dropout_referen
     come from the step and its index in the global batch, so a run resumed on another layout
     draws what the uninterrupted run drew."""
     data, tensor, stages, zero, micro = DROPOUT_LAYOUTS[layout]
-    plan = MeshConfig(
+    parallel = ParallelConfig(
         data=data, tensor=tensor, pipeline=stages, zero_stage=zero, pipeline_microbatches=4
     )
     # Dropout is on: the losses are not the deterministic run's (they differ by 0.035 or more).
     assert np.abs(dropout_reference[0] - reference["sgd"][0]).min() > 1e-2
-    _assert_same(_dropout_run(plan, micro), dropout_reference)
+    _assert_same(_dropout_run(parallel, micro), dropout_reference)
 
 
 def _specs(mesh, zero_stage):
     data, tensor = MESHES[mesh]
-    plan = MeshConfig(data=data, tensor=tensor, zero_stage=zero_stage)
-    step = ShardedStep(LongT5(CONFIG), StepConfig(), optax.adamw(1e-3), make_mesh(plan), plan)
+    parallel = ParallelConfig(data=data, tensor=tensor, zero_stage=zero_stage)
+    step = ShardedStep(
+        LongT5(CONFIG), StepConfig(), optax.adamw(1e-3), make_mesh(parallel), parallel
+    )
     flat = flax.traverse_util.flatten_dict(step.param_shardings, sep="/")
     return step, {k: tuple(v.spec) for k, v in flat.items()}
 
@@ -301,7 +305,7 @@ def test_tensor_parallel_step_reduces_over_tensor():
 
 def test_mesh_errors_name_the_mismatch():
     with pytest.raises(ValueError, match="mesh data=3 x tensor=2 x pipeline=1 does not match 8"):
-        make_mesh(MeshConfig(data=3, tensor=2))
+        make_mesh(ParallelConfig(data=3, tensor=2))
     with pytest.raises(ValueError, match="zero_stage=4"):
-        MeshConfig(zero_stage=4)
-    assert make_mesh(MeshConfig(tensor=2)).shape == {"data": 4, "tensor": 2, "pipeline": 1}
+        ParallelConfig(zero_stage=4)
+    assert make_mesh(ParallelConfig(tensor=2)).shape == {"data": 4, "tensor": 2, "pipeline": 1}

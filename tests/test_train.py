@@ -14,7 +14,7 @@ import pytest
 from longt5_jax import cli, configuration, train
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.model import LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.training.checkpoint import CheckpointConfig
 from longt5_jax.training.optim import OptimizerConfig
 from longt5_jax.training.run_config import RunConfig
@@ -70,7 +70,7 @@ def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert {"loss", "learning_rate", "grad_norm", "tokens_per_second"} <= r.keys()
-    assert "MeshConfig.zero_stage" in (tmp_path / "config.gin").read_text()
+    assert "ParallelConfig.zero_stage" in (tmp_path / "config.gin").read_text()
     assert (tmp_path / "checkpoints" / "4").is_dir()
     assert list((tmp_path / "tensorboard").iterdir())
     assert "step      4/4  loss" in capsys.readouterr().out
@@ -126,7 +126,7 @@ def test_nonfinite_steps_stop_the_run_or_are_skipped(tmp_path, capsys, skip):
         (["--gin.LongT5Config.d_modle=3"], "doesn't have a parameter named 'd_modle'"),
         ([], "MODEL_DIR is required: set it in a gin file or with --gin.MODEL_DIR=VALUE"),
         (
-            ["--gin.MODEL_DIR='/tmp/x'", "--gin.MeshConfig.tensor=3"],
+            ["--gin.MODEL_DIR='/tmp/x'", "--gin.ParallelConfig.tensor=3"],
             "mesh data=4 x tensor=3 x pipeline=1 does not match 8 devices",
         ),
         (
@@ -149,8 +149,28 @@ def test_print_config_shows_the_resolved_bindings(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "ZERO_STAGE = 3" in out and "MeshConfig.zero_stage = %ZERO_STAGE" in out
+    assert "ZERO_STAGE = 3" in out and "ParallelConfig.zero_stage = %ZERO_STAGE" in out
     assert "MODEL_DIR = '/tmp/x'" in out
+
+
+def test_the_old_gin_name_of_the_parallel_config_still_binds_with_one_notice(capsys):
+    configuration._WARNED.clear()
+    configuration.parse(
+        ["configs/parallel/dp4_tp2.gin"],
+        ["MeshConfig.offload = 'optimizer'", "MeshConfig.tensor = 4"],
+    )
+    built = configuration.build(ParallelConfig)
+    # The old name fills what the new one leaves unset; the new name's own bindings win.
+    assert (built.data, built.tensor, built.offload) == (4, 2, "optimizer")
+    configuration.build(ParallelConfig)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "warning: MeshConfig.offload: the gin name MeshConfig is deprecated, write "
+        "ParallelConfig.offload (the old name works for this release only)"
+    ]
+    configuration.parse([], ["MeshConfig.tensor = 'two'"])
+    with pytest.raises(configuration.ConfigError, match="tensor = 'two': expected int"):
+        configuration.build(ParallelConfig)
 
 
 def _gin_files(folder):
@@ -168,7 +188,7 @@ def test_model_gin_files_build(path):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_parallel_gin_files_build(path, stage):
     configuration.parse([path], [f"ZERO_STAGE = {stage}"])
-    mesh = configuration.build(MeshConfig)
+    mesh = configuration.build(ParallelConfig)
     devices = mesh.data * mesh.tensor * mesh.pipeline  # 8 (tests, the demo) or 32 (the cluster)
     assert mesh.zero_stage == stage and devices in (8, 32) and np.prod(mesh.shape(devices))
 
@@ -186,7 +206,7 @@ def test_run_gin_files_build(path):
         OptimizerConfig,
         StepConfig,
         LongT5Config,
-        MeshConfig,
+        ParallelConfig,
     ):
         configuration.build(cls)
 

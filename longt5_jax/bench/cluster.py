@@ -21,11 +21,13 @@ from pathlib import Path
 
 from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, check_fits
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import comm_model, compile_ahead, cost, flops, targets
 from longt5_jax.plan.shapes import ModelShapes
+from longt5_jax.training.experiment import Experiment
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import StepConfig
 
@@ -101,23 +103,22 @@ def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> 
     config = LongT5Config.preset(model, args.attention, dtype=args.dtype, remat=args.remat,
                                  attention_kernel=kernel)  # fmt: skip
     micro = args.pipeline_microbatches if pipe > 1 else 0
-    plan = MeshConfig(-1, tensor, pipe, zero, pipeline_microbatches=micro)
+    parallel = ParallelConfig(-1, tensor, pipe, zero, pipeline_microbatches=micro)
     if args.batch_size % args.accumulation:
         raise ValueError(f"--batch_size {args.batch_size} is not divisible by --accumulation")
-    layers = (config.num_encoder_layers, config.num_decoder_layers)
-    sizes = (config.num_heads, config.d_ff, config.vocab_size, args.batch_size)
-    check_fits(plan, len(devices), *sizes, layers, args.accumulation)
+    step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
+    data = DataConfig(batch_size=args.batch_size)
+    Experiment(model=config, data=data, parallel=parallel, step=step).check_fits(len(devices))
     start = time.perf_counter()
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
     b, n = args.batch_size, cluster.devices
-    step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
     shape = (b, length, args.target_length)
     compiled = compile_ahead.compile_for(
-        config, plan, devices, args.gpus_per_node, shape, step, optimizer
+        config, parallel, devices, args.gpus_per_node, shape, step, optimizer
     )
     a = compiled.analyse(cluster)
     shapes = ModelShapes.of(config, optimizer)
-    expected = comm_model.volumes(shapes, comm_model.Layout.of(plan, n, step, shape))
+    expected = comm_model.volumes(shapes, comm_model.Layout.of(parallel, n, step, shape))
     lengths = (length, args.target_length)
     remat = "full" if pipe > 1 else args.remat
     executed = flops.executed_flops_per_step(config, b, *lengths, remat)

@@ -37,7 +37,7 @@ from longt5_jax.errors import UsageError
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config
 from longt5_jax.model import long_attention_tiles as tiles
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import compile_ahead, cost, flops, hlo, targets
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import StepConfig
@@ -123,7 +123,7 @@ def case_step(args, case: str, devices: list):
     )
     optimizer = make_optimizer(OptimizerConfig(name="adamw"))
     step = compile_ahead.sharded_step(
-        config, MeshConfig(data=1), StepConfig(), optimizer, devices[:1], 1
+        config, ParallelConfig(data=1), StepConfig(), optimizer, devices[:1], 1
     )
     return config, step, (batch, length, args.target_length), remat
 

@@ -3,7 +3,7 @@ the step time offload costs on this machine's CPU.
 
 Memory: the step of `--model` at `--input_length` (and at `--fit_length`, against 40 and 80 GB
 cards) is compiled deviceless for the target cluster, data parallel over every device, for each
-ZeRO stage and `MeshConfig.offload`; device bytes come from XLA's GPU buffer assignment, host
+ZeRO stage and `ParallelConfig.offload`; device bytes come from XLA's GPU buffer assignment, host
 bytes from its host fields, PCIe bytes from the compiled program's host <-> device copies, and
 the planner's cost model turns those into seconds (`--host_gbps`, PCIe 4 by default).
 
@@ -26,7 +26,7 @@ from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.plan import compile_ahead, cost, flops, targets
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
@@ -72,10 +72,10 @@ def _compiled_rows(args, devices, cluster, length: int, batch: int, zeros: list[
     for zero in zeros:
         for mode in MODES:
             print(f"compiling {args.model}@{length} ZeRO-{zero} offload={mode}", file=sys.stderr)
-            plan = MeshConfig(data=-1, zero_stage=zero, offload=mode)
+            parallel = ParallelConfig(data=-1, zero_stage=zero, offload=mode)
             step = compile_ahead.compile_for(
                 config,
-                plan,
+                parallel,
                 devices,
                 args.gpus_per_node,
                 (batch, length, args.target_length),
@@ -129,10 +129,10 @@ def _cpu_timing(args, devices) -> list[dict]:
     config = LongT5Config.preset(args.cpu_model, args.attention)
     steps, states = {}, {}
     for mode in MODES:
-        plan = MeshConfig(data=-1, zero_stage=1, offload=mode)
+        parallel = ParallelConfig(data=-1, zero_stage=1, offload=mode)
         model = LongT5(config)
-        mesh = make_mesh(plan, devices)
-        steps[mode] = ShardedStep(model, StepConfig(), _optimizer(args.optimizer), mesh, plan)
+        mesh = make_mesh(parallel, devices)
+        steps[mode] = ShardedStep(model, StepConfig(), _optimizer(args.optimizer), mesh, parallel)
         states[mode] = steps[mode].init(jax.random.key(0))
     abstract = compile_ahead.abstract_batch(steps["none"], args.cpu_batch, *args.cpu_lengths)
     batch = {k: jax.numpy.ones(v.shape, v.dtype) for k, v in abstract.items()}

@@ -25,7 +25,7 @@ from longt5_jax.data import batching
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.devices import cpu_devices
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.training.step import ShardedStep, StepConfig
 
 
@@ -50,9 +50,11 @@ def random_batch(rows: int, length: int, target_length: int, vocab: int, seed: i
 class _Timed:
     """A compiled step with its state, for alternating timed calls."""
 
-    def __init__(self, config: LongT5Config, plan: MeshConfig, batch: dict):
-        model = LongT5(config, runner=plan.pipeline_plan())
-        self.step = ShardedStep(model, StepConfig(), optax.adamw(1e-3), make_mesh(plan), plan)
+    def __init__(self, config: LongT5Config, parallel: ParallelConfig, batch: dict):
+        model = LongT5(config, runner=parallel.pipeline_schedule())
+        self.step = ShardedStep(
+            model, StepConfig(), optax.adamw(1e-3), make_mesh(parallel), parallel
+        )
         self.state = self.step.init(jax.random.key(0))
         self.batch = batch
         memory = self.step.lower(self.state, batch).compile().memory_analysis()
@@ -75,11 +77,11 @@ class _Timed:
         return float(np.median(self.times))
 
 
-def _row(plan: MeshConfig, piped: _Timed, reference: _Timed) -> dict:
+def _row(parallel: ParallelConfig, piped: _Timed, reference: _Timed) -> dict:
     """One layout's idle share (from the schedule and as measured against data parallelism),
     step time and memory; printed as it comes."""
-    p, m, r = plan.pipeline, plan.pipeline_microbatches, plan.pipeline_repeats
-    theory = plan.pipeline_plan().bubble
+    p, m, r = parallel.pipeline, parallel.pipeline_microbatches, parallel.pipeline_repeats
+    theory = parallel.pipeline_schedule().bubble
     row = {
         "stages": p,
         "microbatches": m,
@@ -141,7 +143,7 @@ def _main(argv: list[str]) -> int:
         global_block_size=16,
     )
     batch = random_batch(args.batch_size, args.input_length, args.target_length, 256)
-    reference = _Timed(config, MeshConfig(data=8, zero_stage=1), batch)
+    reference = _Timed(config, ParallelConfig(data=8, zero_stage=1), batch)
     rows = []
     print(
         f"{'p':>2} {'m':>3} {'r':>2} {'theory idle':>11} {'measured':>9} {'step s':>8} "
@@ -151,19 +153,19 @@ def _main(argv: list[str]) -> int:
         for factor in args.microbatch_factors:
             for r in args.repeats:
                 m = p * factor
-                plan = MeshConfig(
+                parallel = ParallelConfig(
                     data=8 // p,
                     pipeline=p,
                     zero_stage=1,
                     pipeline_microbatches=m,
                     pipeline_repeats=r,
                 )
-                piped = _Timed(config, plan, batch)
+                piped = _Timed(config, parallel, batch)
                 reference.times = []
                 for _ in range(args.steps):  # alternate: drift hits both alike
                     piped()
                     reference()
-                rows.append(_row(plan, piped, reference))
+                rows.append(_row(parallel, piped, reference))
     out = Path(args.out_dir)
     report = {
         "device": str(jax.devices()[0]),

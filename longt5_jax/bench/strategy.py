@@ -25,12 +25,15 @@ import numpy as np
 from longt5_jax import cli
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.devices import cpu_devices
-from longt5_jax.parallel.mesh import MeshConfig, check_fits
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import compile_ahead as aot
 from longt5_jax.plan import cost, flops, hlo, targets
+from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.step import StepConfig
 
 # name -> (data, tensor, pipeline, zero stage); pipelines run 2 x stages microbatches.
 STRATEGIES = {
@@ -72,20 +75,19 @@ class _Run:
     ):
         data, tensor, pipe, zero = STRATEGIES[name]
         micro = 2 * pipe if pipe > 1 else 0
-        self.plan = MeshConfig(data, tensor, pipe, zero, pipeline_microbatches=micro)
-        layers = (config.num_encoder_layers, config.num_decoder_layers)
-        b = args.batch_size
-        check_fits(self.plan, 8, config.num_heads, config.d_ff, config.vocab_size, b, layers)
+        self.parallel = ParallelConfig(data, tensor, pipe, zero, pipeline_microbatches=micro)
+        data = DataConfig(batch_size=args.batch_size)
+        Experiment(model=config, data=data, parallel=self.parallel, step=StepConfig()).check_fits(8)
         self.name = name
         # The 8 devices stand for nodes of --gpus_per_node: laid out, and charged, as such.
-        self.step = aot.sharded_step(config, self.plan, per_node=args.gpus_per_node)
+        self.step = aot.sharded_step(config, self.parallel, per_node=args.gpus_per_node)
         self.state = self.step.init(jax.random.key(0))
         self.batch = jax.device_put(batch, self.step.batch_sharding)
         lengths = (args.batch_size, args.input_length, args.target_length)
         self.compiled = aot.compile_step(self.step, *lengths)
         if target_devices:  # memory and collectives: the target's program (data fills it)
-            plan = dataclasses.replace(self.plan, data=-1)
-            program = aot.compile_for(config, plan, target_devices, args.gpus_per_node, lengths)
+            parallel = dataclasses.replace(self.parallel, data=-1)
+            program = aot.compile_for(config, parallel, target_devices, args.gpus_per_node, lengths)
         else:
             program = aot.CompiledStep(self.step, self.compiled, args.gpus_per_node)
         self.mesh = dict(program.step.mesh.shape)
@@ -109,7 +111,7 @@ def _row(run: _Run, args: argparse.Namespace, cluster: cost.Cluster, model_flops
     return {
         "strategy": run.name,
         "mesh": run.mesh,
-        "zero_stage": run.plan.zero_stage,
+        "zero_stage": run.parallel.zero_stage,
         "step_s": seconds,
         "samples_per_s": args.batch_size / seconds,
         "tokens_per_s": args.batch_size * (args.input_length + args.target_length) / seconds,

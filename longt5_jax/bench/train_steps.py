@@ -24,7 +24,7 @@ import numpy as np
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -50,9 +50,13 @@ class OursStep:
     """Our jitted train step on one device; each call runs one step and returns its seconds."""
 
     def __init__(self, config: LongT5Config, batch: dict, seed: int = 0):
-        mesh = make_mesh(MeshConfig(data=1), jax.devices()[:1])
+        mesh = make_mesh(ParallelConfig(data=1), jax.devices()[:1])
         self.step = ShardedStep(
-            LongT5(config), STEP_CONFIG, make_optimizer(OPTIMIZER_CONFIG), mesh, MeshConfig(data=1)
+            LongT5(config),
+            STEP_CONFIG,
+            make_optimizer(OPTIMIZER_CONFIG),
+            mesh,
+            ParallelConfig(data=1),
         )
         self.state = self.step.init(jax.random.key(seed))
         self.batch = jax.device_put(

@@ -21,7 +21,7 @@ from longt5_jax.formats.native import CheckpointError, model_config, restore_par
 from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
 from longt5_jax.model.loss import eval_stats
-from longt5_jax.parallel.mesh import MeshConfig, make_mesh
+from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.parallel.sharding import activation_context, placed, tree_shardings
 
 
@@ -59,7 +59,7 @@ class Generator:
     model: LongT5
     params: Any
     mesh: Mesh
-    plan: MeshConfig
+    parallel: ParallelConfig
     decode: DecodeConfig
     length: int  # decoded tokens at most
 
@@ -69,7 +69,7 @@ class Generator:
     def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: jax.Array | None = None):
         """([B, length] tokens, [B] scores) for this process's rows `ids`, `mask` [b, L]."""
         ids, mask = (jax.make_array_from_process_local_data(self.rows, x) for x in (ids, mask))
-        with activation_context(self.mesh, self.plan):
+        with activation_context(self.mesh, self.parallel):
             return generate(self.model, self.params, ids, mask, self.decode, self.length, rng)
 
     def tokens(self, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
@@ -78,21 +78,21 @@ class Generator:
     def stats(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Summed eval-loss statistics of a batch from this process's rows."""
         batch = {k: jax.make_array_from_process_local_data(self.rows, v) for k, v in local.items()}
-        with activation_context(self.mesh, self.plan):
+        with activation_context(self.mesh, self.parallel):
             return eval_stats(self.model, self.params, batch)
 
 
-def decoding_plan(plan: MeshConfig) -> MeshConfig:
+def for_decoding(parallel: ParallelConfig) -> ParallelConfig:
     """`plan` for decoding: the cache-driven decoder is not pipelined, so stages become data."""
-    return dataclasses.replace(plan, data=-1, pipeline=1, pipeline_microbatches=0)
+    return dataclasses.replace(parallel, data=-1, pipeline=1, pipeline_microbatches=0)
 
 
 def from_checkpoint(
-    step_dir: Path, plan: MeshConfig, decode: DecodeConfig, length: int
+    step_dir: Path, parallel: ParallelConfig, decode: DecodeConfig, length: int
 ) -> tuple[Generator, LongT5Config]:
     """A generator holding the checkpoint's parameters on a mesh of all devices per `plan`."""
     config = model_config(step_dir)
-    plan = decoding_plan(plan)
-    mesh = make_mesh(plan)
-    params = restore_params(step_dir, restore_target(config, mesh, plan.zero_stage))
-    return Generator(LongT5(config), params, mesh, plan, decode, length), config
+    parallel = for_decoding(parallel)
+    mesh = make_mesh(parallel)
+    params = restore_params(step_dir, restore_target(config, mesh, parallel.zero_stage))
+    return Generator(LongT5(config), params, mesh, parallel, decode, length), config

@@ -6,6 +6,8 @@ import dataclasses
 import os
 import re
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 import jax
@@ -21,7 +23,7 @@ OFFLOADS = ("none", "optimizer", "optimizer_and_params")
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
+class ParallelConfig:
     """Mesh shape and ZeRO stage; data=-1 takes whatever the other axes leave."""
 
     data: int = -1
@@ -41,26 +43,27 @@ class MeshConfig:
 
     def __post_init__(self):
         if self.offload not in OFFLOADS:
-            raise ValueError(f"MeshConfig.offload={self.offload!r}: expected one of {OFFLOADS}")
+            raise ValueError(f"ParallelConfig.offload={self.offload!r}: expected one of {OFFLOADS}")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"MeshConfig.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
+            raise ValueError(f"ParallelConfig.zero_stage={self.zero_stage}: expected 0, 1, 2 or 3")
         for name in ("tensor", "pipeline"):
             if getattr(self, name) < 1:
-                raise ValueError(f"MeshConfig.{name}={getattr(self, name)}: expected >= 1")
+                raise ValueError(f"ParallelConfig.{name}={getattr(self, name)}: expected >= 1")
         if self.data == 0 or self.data < -1:
-            raise ValueError(f"MeshConfig.data={self.data}: expected >= 1, or -1 to fill")
+            raise ValueError(f"ParallelConfig.data={self.data}: expected >= 1, or -1 to fill")
         if self.pipeline_repeats < 1 or self.pipeline_microbatches < 0:
             raise ValueError(
-                f"MeshConfig.pipeline_repeats={self.pipeline_repeats}, pipeline_microbatches="
+                f"ParallelConfig.pipeline_repeats={self.pipeline_repeats}, pipeline_microbatches="
                 f"{self.pipeline_microbatches}: expected repeats >= 1 and microbatches >= 0"
             )
         if self.pipeline > 1 and self.pipeline_microbatches % self.pipeline:
             raise ValueError(
-                f"MeshConfig.pipeline_microbatches={self.pipeline_microbatches} is not a multiple "
-                f"of the {self.pipeline} pipeline stages: each stage keeps an equal share of them"
+                f"ParallelConfig.pipeline_microbatches={self.pipeline_microbatches} is not a "
+                f"multiple of the {self.pipeline} pipeline stages: each stage keeps an equal share "
+                "of them"
             )
 
-    def pipeline_plan(self) -> Pipeline | None:
+    def pipeline_schedule(self) -> Pipeline | None:
         """The pipeline schedule, or None without a pipeline axis."""
         if self.pipeline == 1:
             return None
@@ -112,7 +115,9 @@ def node_of(devices: list, per_node: int) -> list[int]:
     return nodes
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None, per_node: int | None = None) -> Mesh:
+def make_mesh(
+    cfg: ParallelConfig, devices: list | None = None, per_node: int | None = None
+) -> Mesh:
     """A mesh over `devices` (default all) placed by node: tensor innermost, inside a node (its
     activation all-reduces are the heaviest traffic), then pipeline, data outermost."""
     devices = list(jax.devices() if devices is None else devices)
@@ -123,7 +128,7 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None, per_node: int | None
     grid = np.asarray([devices[i] for i in order], dtype=object).reshape(data, pipeline, tensor)
     if tensor > 1 and per_node % tensor:
         warnings.warn(
-            f"MeshConfig.tensor={tensor} does not divide the {per_node} devices of a node: "
+            f"ParallelConfig.tensor={tensor} does not divide the {per_node} devices of a node: "
             "tensor groups cross nodes, and their all-reduces the slow links",
             stacklevel=2,
         )
@@ -131,37 +136,34 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None, per_node: int | None
 
 
 def check_fits(
-    cfg: MeshConfig,
+    cfg: ParallelConfig,
     num_devices: int,
-    num_heads: int,
-    d_ff: int,
-    vocab_size: int,
-    batch_size: int,
-    num_layers: tuple[int, int] = (0, 0),
-    accumulation: int = 1,
+    split: Mapping[str, int],
+    batch: tuple[str, int],
+    stacks: Mapping[str, int] = MappingProxyType({}),
+    accumulation: tuple[str, int] = ("", 1),
 ) -> None:
-    """One-line errors for a mesh that does not divide the devices, the model or the batch
-    (of which each of `accumulation` microbatches splits over data, and pipeline microbatches)."""
+    """One-line errors for a mesh that does not divide the devices, the sizes the tensor axis
+    `split`s, the `batch` (of which each of `accumulation` microbatches splits over data, and
+    pipeline microbatches) or the layer `stacks` the pipeline cuts into stages. Each size comes
+    with the name the user set it by ('LongT5Config.num_heads'), which the error says."""
     data, tensor, _ = cfg.shape(num_devices)
-    per = f" x StepConfig.microbatches ({accumulation})" if accumulation > 1 else ""
-    for name, size in (
-        ("LongT5Config.num_heads", num_heads),
-        ("LongT5Config.d_ff", d_ff),
-        ("LongT5Config.vocab_size", vocab_size),
-    ):
+    (batch_name, batch_size), (per_name, per) = batch, accumulation
+    each = f" x {per_name} ({per})" if per > 1 else ""
+    for name, size in split.items():
         if size % tensor:
             raise ValueError(f"{name}={size} is not divisible by the tensor axis ({tensor})")
-    if batch_size % (data * accumulation):
+    if batch_size % (data * per):
         raise ValueError(
-            f"DataConfig.batch_size={batch_size} is not divisible by the data axis ({data}){per}"
+            f"{batch_name}={batch_size} is not divisible by the data axis ({data}){each}"
         )
-    plan = cfg.pipeline_plan()
-    if plan is None:
+    schedule = cfg.pipeline_schedule()
+    if schedule is None:
         return
-    for name, layers in zip(("num_encoder_layers", "num_decoder_layers"), num_layers, strict=True):
-        plan.check(layers, f"LongT5Config.{name}")
-    if batch_size % (plan.microbatches * data * accumulation):
+    for name, layers in stacks.items():
+        schedule.check(layers, name)
+    if batch_size % (schedule.microbatches * data * per):
         raise ValueError(
-            f"DataConfig.batch_size={batch_size} is not divisible by pipeline microbatches x "
-            f"data ({plan.microbatches} x {data}){per}: each microbatch splits over the data axis"
+            f"{batch_name}={batch_size} is not divisible by pipeline microbatches x data "
+            f"({schedule.microbatches} x {data}){each}: each microbatch splits over the data axis"
         )

@@ -35,8 +35,8 @@ def check_host_memory(device: Any) -> None:
     kinds = {m.kind for m in device.addressable_memories()}
     if HOST not in kinds:
         raise NoHostMemory(
-            f"MeshConfig.offload: the {device.platform} devices have no '{HOST}' memory "
-            f"(they have {sorted(kinds) or 'none'}); use MeshConfig.offload='none'"
+            f"ParallelConfig.offload: the {device.platform} devices have no '{HOST}' memory "
+            f"(they have {sorted(kinds) or 'none'}); use ParallelConfig.offload='none'"
         )
 
 

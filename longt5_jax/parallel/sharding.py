@@ -14,11 +14,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.errors import UsageError
 from longt5_jax.model import long_attention_tiles as tiles
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.rules import Use, rules
 
 
-def activation_context(mesh: Mesh, plan: MeshConfig) -> contextlib.ExitStack:
+def activation_context(mesh: Mesh, parallel: ParallelConfig) -> contextlib.ExitStack:
     """The mesh and the activation rules; logical constraints are read while tracing, so every
     trace of a sharded function happens inside this."""
     stack = contextlib.ExitStack()
@@ -29,9 +29,9 @@ def activation_context(mesh: Mesh, plan: MeshConfig) -> contextlib.ExitStack:
         nn.logical_axis_rules(
             rules(
                 "activations",
-                plan.zero_stage,
-                plan.sequence_sharding,
-                pipelined=plan.pipeline > 1,
+                parallel.zero_stage,
+                parallel.sequence_sharding,
+                pipelined=parallel.pipeline > 1,
             )
         )
     )

@@ -17,7 +17,7 @@ import itertools
 
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.parallel.mesh import OFFLOADS, MeshConfig
+from longt5_jax.parallel.mesh import OFFLOADS, ParallelConfig
 from longt5_jax.plan import comm_model, cost, flops, memory_model
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.step import StepConfig
@@ -33,10 +33,10 @@ class Candidate:
     repeats: int
     remat: str
     batch_size: int
-    offload: str = "none"  # MeshConfig.offload
+    offload: str = "none"  # ParallelConfig.offload
 
-    def mesh(self) -> MeshConfig:
-        return MeshConfig(
+    def mesh(self) -> ParallelConfig:
+        return ParallelConfig(
             self.data,
             self.tensor,
             self.pipeline,
@@ -61,17 +61,17 @@ class Candidate:
     def gin(self) -> str:
         """The flags that select this candidate (after the model and run gin files)."""
         lines = [
-            f"--gin.MeshConfig.data={self.data}",
-            f"--gin.MeshConfig.tensor={self.tensor}",
-            f"--gin.MeshConfig.pipeline={self.pipeline}",
-            f"--gin.MeshConfig.zero_stage={self.zero_stage}",
+            f"--gin.ParallelConfig.data={self.data}",
+            f"--gin.ParallelConfig.tensor={self.tensor}",
+            f"--gin.ParallelConfig.pipeline={self.pipeline}",
+            f"--gin.ParallelConfig.zero_stage={self.zero_stage}",
         ]
         if self.offload != "none":
-            lines.append(f"--gin.MeshConfig.offload=\"'{self.offload}'\"")
+            lines.append(f"--gin.ParallelConfig.offload=\"'{self.offload}'\"")
         if self.pipeline > 1:
             lines += [
-                f"--gin.MeshConfig.pipeline_microbatches={self.microbatches}",
-                f"--gin.MeshConfig.pipeline_repeats={self.repeats}",
+                f"--gin.ParallelConfig.pipeline_microbatches={self.microbatches}",
+                f"--gin.ParallelConfig.pipeline_repeats={self.repeats}",
             ]
         lines += [
             f"--gin.LongT5Config.remat=\"'{self.remat}'\"",

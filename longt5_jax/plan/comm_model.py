@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.pipeline import Pipeline
 from longt5_jax.plan.hlo import KINDS, ring_bytes
 from longt5_jax.plan.shapes import ModelShapes
@@ -62,23 +62,23 @@ class Layout:
     @classmethod
     def of(
         cls,
-        plan: MeshConfig,
+        parallel: ParallelConfig,
         devices: int,
         step: StepConfig,
         shape: tuple[int, int, int],
     ) -> Layout:
-        data, tensor, pipeline = plan.shape(devices)
-        pipe = plan.pipeline_plan()
+        data, tensor, pipeline = parallel.shape(devices)
+        pipe = parallel.pipeline_schedule()
         return cls(
             data,
             tensor,
             pipeline,
-            plan.zero_stage,
+            parallel.zero_stage,
             pipe.microbatches if pipe else 0,
             pipe.repeats if pipe else 1,
             step.microbatches,
             step.grad_dtype,
-            plan.sequence_sharding,
+            parallel.sequence_sharding,
             *shape,
         )
 

@@ -26,7 +26,7 @@ import optax
 
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
-from longt5_jax.parallel.mesh import MeshConfig, compile_only, make_mesh, node_of
+from longt5_jax.parallel.mesh import ParallelConfig, compile_only, make_mesh, node_of
 from longt5_jax.plan import cost, hlo, hlo_module, roofline
 from longt5_jax.training.step import Batch, ShardedStep, StepConfig
 
@@ -46,7 +46,7 @@ def abstract_batch(
 
 def sharded_step(
     config: LongT5Config,
-    plan: MeshConfig,
+    parallel: ParallelConfig,
     step_cfg: StepConfig | None = None,
     optimizer: optax.GradientTransformation | None = None,
     devices: list | None = None,
@@ -54,13 +54,13 @@ def sharded_step(
 ) -> ShardedStep:
     """The train step of `config` laid out per `plan` (AdamW unless told otherwise), on
     `devices` in nodes of `per_node` (default: as the devices say)."""
-    model = LongT5(config, runner=plan.pipeline_plan())
+    model = LongT5(config, runner=parallel.pipeline_schedule())
     return ShardedStep(
         model,
         step_cfg or StepConfig(),
         optimizer or optax.adamw(1e-3),
-        make_mesh(plan, devices, per_node),
-        plan,
+        make_mesh(parallel, devices, per_node),
+        parallel,
     )
 
 
@@ -160,7 +160,7 @@ class CompiledStep:
 
 def compile_for(
     config: LongT5Config,
-    plan: MeshConfig,
+    parallel: ParallelConfig,
     devices: list,
     gpus_per_node: int,
     shape: tuple[int, int, int],
@@ -168,5 +168,5 @@ def compile_for(
     optimizer: optax.GradientTransformation | None = None,
 ) -> CompiledStep:
     """Compile the step of `config` on `plan` over `devices` for (batch, input, target) shapes."""
-    step = sharded_step(config, plan, step_cfg, optimizer, devices, gpus_per_node)
+    step = sharded_step(config, parallel, step_cfg, optimizer, devices, gpus_per_node)
     return CompiledStep(step, compile_step(step, *shape), gpus_per_node)

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload",
         nargs="+",
-        help="MeshConfig.offload settings to consider: none, optimizer, optimizer_and_params "
+        help="ParallelConfig.offload settings to consider: none, optimizer, optimizer_and_params "
         "(default: all)",
     )
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")

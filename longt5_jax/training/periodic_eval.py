@@ -75,7 +75,7 @@ class PeriodicEval:
                 LongT5(self.step.model.config),
                 params,
                 self.step.mesh,
-                self.step.plan,
+                self.step.parallel,
                 self.decode,
                 length,
             )

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.model.loss import eval_stats, summed_loss
-from longt5_jax.parallel.mesh import MeshConfig
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
 from longt5_jax.parallel.sharding import (
@@ -154,37 +154,37 @@ def train_step(
 
 @dataclasses.dataclass
 class ShardedStep:
-    """A jitted train step and sharded initialiser for a model on a mesh, per a MeshConfig plan."""
+    """A jitted train step and sharded initialiser for a model on a mesh, per a ParallelConfig."""
 
     model: LongT5
     step_cfg: StepConfig
     optimizer: optax.GradientTransformation
     mesh: Mesh
-    plan: MeshConfig
+    parallel: ParallelConfig
 
     def __post_init__(self):
-        nested = self.step_cfg.microbatches > 1 or self.plan.pipeline > 1
-        if self.model.config.attention_kernel == "pallas" and self.plan.tensor > 1 and nested:
+        nested = self.step_cfg.microbatches > 1 or self.parallel.pipeline > 1
+        if self.model.config.attention_kernel == "pallas" and self.parallel.tensor > 1 and nested:
             # Inside the accumulation loop's or a stage's region, the kernels' own region over
             # `tensor` does not lower (Shardy refuses its operands' layouts); tensor x data and
             # accumulation or stages without tensor work.
             raise UsageError(
-                "LongT5Config.attention_kernel='pallas' with MeshConfig.tensor > 1 runs without "
-                "accumulation microbatches or pipeline stages for now; use 'xla' there"
+                "LongT5Config.attention_kernel='pallas' with ParallelConfig.tensor > 1 runs "
+                "without accumulation microbatches or pipeline stages for now; use 'xla' there"
             )
         boxed = abstract_params(self.model)
-        zero = self.plan.zero_stage
+        zero = self.parallel.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
         self.grad_shardings = tree_shardings(boxed, self.mesh, "grads", zero)
         opt_layout = tree_shardings(boxed, self.mesh, "opt_state", zero)
         params = nn.unbox(boxed)
         opt_state = jax.eval_shape(self.optimizer.init, params)
-        if self.plan.offload != "none":
+        if self.parallel.offload != "none":
             check_host_memory(self.mesh.devices.flat[0])
         self.memory = StateMemory(
             self.param_shardings,
             optimizer_shardings(opt_state, params, opt_layout, self.mesh, moment_axes),
-            self.plan.offload,
+            self.parallel.offload,
         )
         # Between steps each part of the state lives where the plan says: device or host.
         self.state_shardings = TrainState(
@@ -204,13 +204,13 @@ class ShardedStep:
         # pipeline); a plain step lets XLA reduce each layer's gradients as the backward pass
         # produces them, overlapping the reduction with the layers still to come.
         self.region = None
-        if self.step_cfg.microbatches > 1 or self.plan.pipeline > 1:
+        if self.step_cfg.microbatches > 1 or self.parallel.pipeline > 1:
             reduce = jnp.bfloat16 if self.step_cfg.grad_dtype == "bfloat16" else jnp.float32
             self.region = ShardRegion(
                 self.mesh,
                 self.param_shardings,
                 self.grad_shardings,
-                self.plan.pipeline_plan(),
+                self.parallel.pipeline_schedule(),
                 reduce,
             )
 
@@ -225,7 +225,7 @@ class ShardedStep:
             return jax.jit(init, out_shardings=self.state_shardings)(key)
 
     def _context(self) -> contextlib.ExitStack:
-        return activation_context(self.mesh, self.plan)
+        return activation_context(self.mesh, self.parallel)
 
     def _constrain_grads(self, grads: Any) -> Any:
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
@@ -269,7 +269,7 @@ class ShardedStep:
         if self.memory.params_offloaded:  # evaluation reads them on the device
             params = jax.device_put(params, self.param_shardings)
         with self._context():
-            if self.plan.pipeline > 1:  # the pipeline runs in the region's stage axis
+            if self.parallel.pipeline > 1:  # the pipeline runs in the region's stage axis
                 return self._eval_region(params, batch)
             return eval_stats(self.model, params, batch)
 
