@@ -19,6 +19,7 @@ import jax
 from tqdm import tqdm
 
 from longt5_jax import cli, configuration
+from longt5_jax.data.pipeline import global_batch
 from longt5_jax.data.sources import expand
 from longt5_jax.errors import UsageError
 from longt5_jax.formats.atomic import write_atomic
@@ -27,6 +28,7 @@ from longt5_jax.infer import evaluation
 from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
 from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.step import Evaluator
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -95,7 +97,13 @@ def evaluate(args: argparse.Namespace, cfg: Experiment, step_dir: Path) -> dict:
             file=sys.stderr,
         )
     began = time.perf_counter()
-    loss = evaluation.eval_loss(generator.stats, examples, data, data.batch_size)
+    evaluator = Evaluator(generator.model, generator.mesh, generator.parallel)
+    loss = evaluation.eval_loss(
+        lambda local: evaluator(generator.params, global_batch(local, generator.rows)),
+        examples,
+        data,
+        data.batch_size,
+    )
     metrics = {f"eval_{k}": v for k, v in loss.items()}
     with tqdm(total=len(examples), desc=f"decoding {split}", unit="doc", disable=None) as bar:
         tokens = evaluation.predict(generator.tokens, examples, data, data.batch_size, bar.update)

@@ -286,6 +286,7 @@ def _read_file(f: Path) -> dict[str, np.ndarray]:
     if not f.exists():
         raise FileNotFoundError(f"{f}: listed in the index but missing")
     if f.suffix == ".safetensors":
+        # Only Hugging Face conversion reads safetensors: every other command starts without it.
         from safetensors import SafetensorError, safe_open
 
         try:
@@ -293,7 +294,7 @@ def _read_file(f: Path) -> dict[str, np.ndarray]:
                 return {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
         except SafetensorError as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
-    try:
+    try:  # torch (the test extra) only for the older pytorch_model.bin files
         import torch
     except ImportError:
         raise ImportError(
@@ -325,7 +326,7 @@ def load(path: str | os.PathLike) -> tuple[LongT5Config, Params]:
 
 def save(config: LongT5Config, params: Params, path: str | os.PathLike) -> None:
     """Write config.json and model.safetensors (each atomically) for transformers to load."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # only conversion writes safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -156,7 +156,7 @@ def _check_store(item_dir: Path) -> None:
     """
     if not (item_dir / "manifest.ocdbt").exists():
         return  # not an OCDBT store: orbax reads it alone
-    import tensorstore as ts
+    import tensorstore as ts  # only to name a damaged array: no other path reads it directly
 
     try:
         spec = {"driver": "ocdbt", "base": f"file://{item_dir.absolute()}/"}

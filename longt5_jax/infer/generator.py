@@ -20,7 +20,6 @@ from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.formats.native import CheckpointError, model_config, restore_params, saved_tokenizer
 from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
-from longt5_jax.model.loss import eval_stats
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.parallel.sharding import activation_context, placed, tree_shardings
 
@@ -74,12 +73,6 @@ class Generator:
 
     def tokens(self, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
         return self(ids, mask)[0]
-
-    def stats(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Summed eval-loss statistics of a batch from this process's rows."""
-        batch = {k: jax.make_array_from_process_local_data(self.rows, v) for k, v in local.items()}
-        with activation_context(self.mesh, self.parallel):
-            return eval_stats(self.model, self.params, batch)
 
 
 def for_decoding(parallel: ParallelConfig) -> ParallelConfig:

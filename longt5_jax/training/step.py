@@ -213,6 +213,8 @@ class ShardedStep:
                 self.parallel.pipeline_schedule(),
                 reduce,
             )
+        offloaded = self.param_shardings if self.memory.params_offloaded else None
+        self.evaluate = Evaluator(self.model, self.mesh, self.parallel, self.region, offloaded)
 
     def init(self, key: jax.Array) -> TrainState:
         """Parameters and optimizer state created directly in their shards."""
@@ -264,17 +266,31 @@ class ShardedStep:
         with self._context():
             return self._jitted().lower(state, batch, rng)
 
-    def evaluate(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
-        """Summed loss, weight and correct tokens of a global `batch` (no dropout, no update)."""
-        if self.memory.params_offloaded:  # evaluation reads them on the device
-            params = jax.device_put(params, self.param_shardings)
-        with self._context():
+
+@dataclasses.dataclass
+class Evaluator:
+    """The one eval-loss path: summed loss (no z-loss), weight and correct tokens of a global
+    batch, no dropout, for parameters laid out per `parallel` on `mesh`. Training evaluates
+    through its step's (`ShardedStep.evaluate`: pipelined layers run in the step's region,
+    parameters kept in host memory are read onto the devices); `evaluate` builds one for a
+    checkpoint on the decoding layout."""
+
+    model: LongT5
+    mesh: Mesh
+    parallel: ParallelConfig
+    region: ShardRegion | None = None  # the step's region, where the layers are pipelined
+    offloaded_to: Any = None  # the device shardings of parameters that live in host memory
+
+    def __call__(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+        if self.offloaded_to is not None:
+            params = jax.device_put(params, self.offloaded_to)
+        with activation_context(self.mesh, self.parallel):
             if self.parallel.pipeline > 1:  # the pipeline runs in the region's stage axis
-                return self._eval_region(params, batch)
+                return self._in_region(params, batch)
             return eval_stats(self.model, params, batch)
 
     @functools.cached_property
-    def _eval_region(self):
+    def _in_region(self):
         def stats(params, batch):
             return summed_loss(self.model, params, batch, 0.0, None)[1]
 
