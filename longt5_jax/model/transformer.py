@@ -45,17 +45,6 @@ class EncoderSharedInputs(NamedTuple):
     side_table_HR: jax.Array | None  # transient-global attention only
 
 
-def _encoder_layer_args(rows: EncoderRowInputs, shared: EncoderSharedInputs) -> tuple:
-    """`EncoderLayer`'s arguments after the layer index, in its order."""
-    return (
-        rows.row_ids,
-        rows.segment_ids,
-        shared.local_bias_HWX,
-        rows.blocks,
-        shared.side_table_HR,
-    )
-
-
 class DecoderRowInputs(NamedTuple):
     """A decoder layer's inputs with a leading batch axis (for a runner, the masks broadcast to
     it): a pipeline splits them into microbatches that follow their rows through the stages."""
@@ -73,16 +62,14 @@ class DecoderSharedInputs(NamedTuple):
     cache_index: jax.Array
 
 
-def _decoder_layer_args(rows: DecoderRowInputs, shared: DecoderSharedInputs) -> tuple:
-    """`DecoderLayer`'s arguments after the layer index and the cache, in its order."""
-    return (
-        rows.row_ids,
-        rows.encoded,
-        rows.self_mask,
-        shared.self_bias_HTS,
-        rows.cross_mask,
-        shared.cache_index,
-    )
+# The layers' arguments after the layer index (and the decoder's cache), in their order.
+_ENCODER_ARGS = ("row_ids", "segment_ids", "local_bias_HWX", "blocks", "side_table_HR")
+_DECODER_ARGS = ("row_ids", "encoded", "self_mask", "self_bias_HTS", "cross_mask", "cache_index")
+
+
+def _layer_args(rows: NamedTuple, shared: NamedTuple, names: tuple[str, ...]) -> tuple:
+    """A layer's arguments `names`, each read by name from the rows' or the shared inputs."""
+    return tuple(getattr(rows if n in rows._fields else shared, n) for n in names)
 
 
 class Encoder(nn.Module):
@@ -118,11 +105,13 @@ class Encoder(nn.Module):
         rows = EncoderRowInputs(row_ids, segment_ids, blocks)
         shared = EncoderSharedInputs(local_bias_HWX, side_table_HR)
         if self.is_initializing():
-            x, _ = layers(x, jnp.arange(c.num_encoder_layers), *_encoder_layer_args(rows, shared))
+            x, _ = layers(
+                x, jnp.arange(c.num_encoder_layers), *_layer_args(rows, shared, _ENCODER_ARGS)
+            )
         else:
 
             def call(apply, h, rows, shared):
-                return apply(h, *_encoder_layer_args(rows, shared))
+                return apply(h, *_layer_args(rows, shared, _ENCODER_ARGS))
 
             x = stack.run(
                 self,
@@ -167,12 +156,12 @@ class Decoder(nn.Module):
         shared = DecoderSharedInputs(bias_HTS, cache_index)
         if cache is not None or self.is_initializing():
             rows = DecoderRowInputs(row_ids, encoded, self_mask, cross_mask)
-            args = _decoder_layer_args(rows, shared)
+            args = _layer_args(rows, shared, _DECODER_ARGS)
             y, cache = layers(y, jnp.arange(c.num_decoder_layers), cache, *args)
         else:  # training: the encoder output follows each microbatch to every stage
 
             def call(apply, h, rows, shared):
-                return apply(h, None, *_decoder_layer_args(rows, shared))
+                return apply(h, None, *_layer_args(rows, shared, _DECODER_ARGS))
 
             def per_row(mask):  # split into microbatches with the rows it masks
                 return jnp.broadcast_to(mask, (y.shape[0], *mask.shape[1:]))
