@@ -133,3 +133,16 @@ def _guarded_at_top(tree: ast.Module, node: ast.AST) -> bool:
         isinstance(t, ast.Try) and any(node is n for s in t.body for n in ast.walk(s))
         for t in tree.body
     )
+
+
+def test_the_architecture_page_draws_the_order_the_test_holds():
+    """docs/architecture.md's layer drawing lists the library's layers top-down in ORDER."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    drawing = page.split("## Layers", 1)[1].split("```")[1]
+    drawn = [
+        line.split()[0].removesuffix("/").removesuffix(".py")
+        for line in drawing.splitlines()
+        if line and not line[0].isspace()
+    ]
+    library = [u for u in ORDER[: ORDER.index("cli") + 1]]
+    assert drawn == ["commands", *reversed(library)]
