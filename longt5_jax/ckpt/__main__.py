@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FIELD=VALUE",
         help="t5x-to-native: LongT5Config fields T5X does not store (e.g. local_radius=127)",
     )
+    conv.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="PATH",
+        help="a SentencePiece model to write with OUT in place of SRC's own (which SRC may lack)",
+    )
     conv.add_argument("--json", action="store_true")
     return top
 
@@ -72,14 +78,16 @@ def _run(args: argparse.Namespace):
     if args.command != "convert":
         return getattr(commands, args.command)(args.CKPT)
     if args.direction == "t5x-to-native":
-        out = convert.t5x_to_native(args.SRC, args.OUT, **_overrides(args.set))
+        out, note = convert.t5x_to_native(
+            args.SRC, args.OUT, args.tokenizer, **_overrides(args.set)
+        )
     elif args.set:
         raise ValueError(f"--set applies to t5x-to-native, not {args.direction}")
     elif args.direction == "hf-to-native":
-        out = convert.hf_to_native(args.SRC, args.OUT)
+        out, note = convert.hf_to_native(args.SRC, args.OUT, args.tokenizer)
     else:
-        out = convert.native_to_hf(args.SRC, args.OUT)
-    return {"direction": args.direction, "source": args.SRC, "output": str(out)}
+        out, note = convert.native_to_hf(args.SRC, args.OUT, args.tokenizer)
+    return {"direction": args.direction, "source": args.SRC, "output": str(out), "note": note}
 
 
 def _number(v) -> str:
@@ -118,7 +126,7 @@ def _text(command: str, result) -> str:
             f"shape differs: {d['path']} {d['a']} vs {d['b']}" for d in result["shapes_differ"]
         ]
         return "\n".join(parts + [f"identical: {result['identical']}"])
-    return f"wrote {result['output']}"
+    return f"wrote {result['output']}" + (f"\n{result['note']}" if result["note"] else "")
 
 
 def main(argv: list[str] | None = None) -> int:

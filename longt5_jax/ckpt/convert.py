@@ -4,11 +4,15 @@ A native checkpoint written here is a MODEL_DIR holding one parameters-only step
 `params` and `step`, and the `config` item), so every tool reads it and a run starts from it
 with `CheckpointConfig.init_from`. Outputs are built beside their final path and renamed into
 place at the end: a failing conversion leaves nothing, and an existing path is never replaced.
+The tokenizer travels too: a native checkpoint's SentencePiece model becomes a transformers
+directory's spiece.model and back, or `--tokenizer PATH` gives one to a source without it.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +21,16 @@ import orbax.checkpoint as ocp
 
 from longt5_jax import cli
 from longt5_jax.ckpt.commands import Arrays
-from longt5_jax.formats import hf, t5x
+from longt5_jax.data.tokenizer import EXTRA_IDS, Tokenizer
+from longt5_jax.formats import hf, hf_text, t5x
 from longt5_jax.formats.atomic import publishing
-from longt5_jax.formats.native import CheckpointError, model_config, resolve
+from longt5_jax.formats.native import (
+    CheckpointError,
+    model_config,
+    resolve,
+    saved_config,
+    saved_tokenizer,
+)
 from longt5_jax.model.config import LongT5Config
 
 
@@ -47,20 +58,27 @@ def gin_lines(config: LongT5Config) -> str:
     return "".join(f"LongT5Config.{k} = {v!r}\n" for k, v in dataclasses.asdict(config).items())
 
 
-def write_native(out: str | Path, config: LongT5Config, params: Any, source: str) -> Path:
-    """A parameters-only native checkpoint of `params` at step 0 in the new MODEL_DIR `out`."""
+def write_native(
+    out: str | Path,
+    config: LongT5Config,
+    params: Any,
+    source: str,
+    tokenizer: bytes | None = None,
+) -> Path:
+    """A parameters-only native checkpoint of `params` at step 0 in the new MODEL_DIR `out`,
+    with the SentencePiece model `tokenizer` if given."""
     out = _fresh(out)
 
     def write(tmp: Path) -> None:
-        manager = ocp.CheckpointManager(tmp / "checkpoints", item_names=("state", "config"))
+        names = ("state", "config", "tokenizer")
+        manager = ocp.CheckpointManager(tmp / "checkpoints", item_names=names)
         state = {"params": params, "step": np.int32(0)}
         item = {"gin": gin_lines(config), "model": dataclasses.asdict(config), "source": source}
-        manager.save(
-            0,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(item)
-            ),
-        )
+        items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(item)}
+        if tokenizer is not None:  # the item a training run saves, for predict to find
+            saved = {"sentencepiece_model": base64.b64encode(tokenizer).decode("ascii")}
+            items["tokenizer"] = ocp.args.JsonSave(saved)
+        manager.save(0, args=ocp.args.Composite(**items))
         manager.wait_until_finished()
         manager.close()
 
@@ -83,21 +101,78 @@ def native_params(step_dir: Path) -> dict:
     return params
 
 
-def hf_to_native(src: str | Path, out: str | Path) -> Path:
+def _read_tokenizer(option: str, saved: bytes | None, where: Path) -> Tokenizer | None:
+    """--tokenizer PATH if given, else the source's own SentencePiece model (`saved`, found at
+    `where`); None when there is neither."""
+    if option:
+        return Tokenizer(option)
+    return None if saved is None else Tokenizer(where, saved)
+
+
+def _fits(tokenizer: Tokenizer | None, config: LongT5Config) -> Tokenizer | None:
+    """`tokenizer`, refused when its ids (pieces, then sentinels) run past the embedding."""
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{tokenizer.path}: {tokenizer.piece_count} pieces and {EXTRA_IDS} sentinels are "
+            f"more ids than the model's vocab_size {config.vocab_size}: not its tokenizer"
+        )
+    return tokenizer
+
+
+def _note(tokenizer: Tokenizer | None, source: str | Path) -> str:
+    """One line for an output written without a tokenizer, saying how to add one."""
+    if tokenizer is not None:
+        return ""
+    return (
+        f"no tokenizer written: {source} holds none; to add one, convert again with "
+        "--tokenizer PATH (its SentencePiece model)"
+    )
+
+
+def _trained_length(gin_text: str, field: str) -> int:
+    """DataConfig.`field` (input_length, target_length) in a saved gin config, or 0."""
+    found = re.findall(rf"^DataConfig\.{field}\s*=\s*(\d+)", gin_text, re.MULTILINE)
+    return int(found[-1]) if found else 0
+
+
+def hf_to_native(src: str | Path, out: str | Path, tokenizer: str = "") -> tuple[Path, str]:
+    """(the MODEL_DIR written, a note when it holds no tokenizer)."""
     _fresh(out, src)  # before the work of reading the source
+    tok = _read_tokenizer(tokenizer, hf_text.read_spiece(src), Path(src) / hf_text.SPIECE)
     config, params = hf.load(src)
-    return write_native(out, config, params, source=f"transformers {Path(src).absolute()}")
+    proto = None if _fits(tok, config) is None else tok.proto
+    out = write_native(out, config, params, f"transformers {Path(src).absolute()}", proto)
+    return out, _note(tok, src)
 
 
-def t5x_to_native(src: str | Path, out: str | Path, **overrides: Any) -> Path:
+def t5x_to_native(
+    src: str | Path, out: str | Path, tokenizer: str = "", **overrides: Any
+) -> tuple[Path, str]:
+    """(the MODEL_DIR written, a note when it holds no tokenizer: T5X keeps it apart)."""
     _fresh(out, src)
+    tok = _read_tokenizer(tokenizer, None, Path(src))
     config, params = t5x.load(src, **overrides)
-    return write_native(out, config, params, source=f"t5x {Path(src).absolute()}")
+    proto = None if _fits(tok, config) is None else tok.proto
+    out = write_native(out, config, params, f"t5x {Path(src).absolute()}", proto)
+    return out, _note(tok, src)
 
 
-def native_to_hf(ckpt: str | Path, out: str | Path) -> Path:
+def native_to_hf(ckpt: str | Path, out: str | Path, tokenizer: str = "") -> tuple[Path, str]:
+    """(the transformers directory written, a note when it holds no tokenizer)."""
     step_dir = resolve(ckpt)
     _fresh(out, step_dir, checkpoint=True)
-    config, params = model_config(step_dir), native_params(step_dir)
+    config = model_config(step_dir)
     hf.name_table(config)  # fails early, before writing, for a tree transformers cannot hold
-    return _into_place(_fresh(out), lambda tmp: hf.save(config, params, tmp))
+    saved = saved_tokenizer(step_dir)
+    tok = _fits(_read_tokenizer(tokenizer, saved, step_dir / "tokenizer"), config)
+    gin = saved_config(step_dir).get("gin", "")
+    params = native_params(step_dir)
+
+    def write(tmp: Path) -> None:
+        hf.save(config, params, tmp)
+        hf_text.save_generation_config(config, tmp, _trained_length(gin, "target_length"))
+        if tok is not None:
+            max_input = _trained_length(gin, "input_length")
+            hf_text.save_tokenizer(tmp, tok.proto, tok.special_pieces, max_input)
+
+    return _into_place(_fresh(out), write), _note(tok, step_dir)

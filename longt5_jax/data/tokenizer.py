@@ -63,6 +63,11 @@ class Tokenizer:
         self._sp = self._load()
 
     @property
+    def special_pieces(self) -> tuple[str, str, str]:
+        """The pieces of pad, eos and unk ('<pad>', '</s>', '<unk>' in T5's model)."""
+        return tuple(self._sp.id_to_piece(i) for i in (PAD_ID, EOS_ID, self._sp.unk_id()))
+
+    @property
     def piece_count(self) -> int:
         return self._sp.get_piece_size()
 

@@ -5,6 +5,7 @@ parameter tree (layers stacked on a leading axis, attention kernels [embed, head
 `LongT5ForConditionalGeneration` state dict; `to_hf` and `from_hf` are its two directions and
 serve weights and gradients alike. transformers 4.x reads what `save` writes; 5.x ties the
 LM head to the embedding whatever the config says, which is not LongT5 (see docs/architecture.md).
+The tokenizer and generation defaults written beside these files are `hf_text`'s.
 """
 
 from __future__ import annotations
