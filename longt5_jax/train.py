@@ -9,6 +9,7 @@ fits -> hold MODEL_DIR (one run at a time) -> build the loop's parts -> `trainin
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -80,11 +81,11 @@ def _parts(exp: Experiment) -> loop.Parts:
             f"{dict(mesh.shape)}, ZeRO-{exp.parallel.zero_stage}, {jax.device_count()} devices",
             flush=True,
         )
-    open_writer = _metrics_writer(exp, _exporter(exp))
+    config_text = configuration.operative_config()
+    open_writer = _metrics_writer(exp, _exporter(exp), config_text)
     evaluate = PeriodicEval(exp.eval, exp.data, exp.decode, tokenizer, step)
     evaluate.open(exp.run.train_steps)
     checkpoints = Checkpoints(Path(exp.run.model_dir), exp.ckpt, tokenizer.proto)
-    config_text = configuration.operative_config()
     return loop.Parts(step, batches, checkpoints, evaluate, open_writer, config_text, pinned)
 
 
@@ -103,19 +104,41 @@ def _tokenizer(exp: Experiment) -> tuple[Tokenizer, dict]:
 
 
 def _exporter(exp: Experiment) -> PrometheusExporter | None:
-    """The opt-in Prometheus endpoint, its port taken now (a port in use is a start-up error)."""
+    """The opt-in Prometheus endpoint and Pushgateway pushes, the port taken now (a port in use
+    is a start-up error)."""
     run = exp.run
-    if not run.prometheus_port:
+    if not (run.prometheus_port or run.prometheus_pushgateway):
         return None
     try:
-        return PrometheusExporter(run.prometheus_port, run.prometheus_host, jax.process_index())
+        return PrometheusExporter(
+            run.prometheus_port,
+            run.prometheus_host,
+            jax.process_index(),
+            info=_run_info(exp),
+            grace_seconds=run.prometheus_grace_seconds,
+            pushgateway=run.prometheus_pushgateway,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def _metrics_writer(exp: Experiment, exporter: PrometheusExporter | None):
-    """Opens, at the step the run starts from, the logs, TensorBoard, the Prometheus endpoint if
-    any, and MFU where the devices' peak is known (from the model FLOPs of a step)."""
+def _run_info(exp: Experiment) -> dict[str, str]:
+    """The labels of `longt5_run_info`: the run's directory, model, mesh and a hash of its
+    operative config (runs that differ only in flags tell apart by it)."""
+    data, tensor, pipeline = exp.parallel.shape(jax.device_count())
+    config = configuration.operative_config().encode()
+    return {
+        "model_dir": exp.run.model_dir,
+        "model": exp.model.name,
+        "mesh": f"data={data},tensor={tensor},pipeline={pipeline}",
+        "config_hash": hashlib.sha256(config).hexdigest()[:12],
+    }
+
+
+def _metrics_writer(exp: Experiment, exporter: PrometheusExporter | None, config_text: str):
+    """Opens, at the step the run starts from, the logs, TensorBoard (with the operative config
+    and the hyperparameters), the Prometheus endpoint if any, and MFU where the devices' peak is
+    known (from the model FLOPs of a step)."""
     run, data = exp.run, exp.data
     flops = train_flops_per_step(exp.model, data.batch_size, data.input_length, data.target_length)
     return lambda start: MetricsWriter(
@@ -125,6 +148,9 @@ def _metrics_writer(exp: Experiment, exporter: PrometheusExporter | None):
         exporter=exporter,
         flops_per_step=flops,
         peak_flops=peak_flops(jax.devices(), run.peak_flops_per_device),
+        eval_split=exp.eval.split,
+        config_text=config_text,
+        hparams=exp.hparams(),
     )
 
 

@@ -98,8 +98,9 @@ class Cluster:
         assert out.returncode == 0, f"{command}: {out.stderr}"
         return out.stdout.strip()
 
-    def submit(self, model_dir: Path, *run: str) -> str:
-        """The job id of the sbatch script training the demo with `run`, as a user submits it."""
+    def submit(self, model_dir: Path, *run: str, **env: str) -> str:
+        """The job id of the sbatch script training the demo with `run`, as a user submits it
+        (with the script's own settings `env`)."""
         return self(
             "sbatch",
             "--parsable",
@@ -111,6 +112,7 @@ class Cluster:
             GIN_FILE="configs/demo.gin",
             GIN_ARGS=" ".join(run),
             PYTHON=sys.executable,
+            **env,
         )
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -220,9 +222,18 @@ def _losses(model_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("runs") / "whole"
-    job = slurm.wait(slurm.submit(model_dir, *RUN), Path(f"{model_dir}.out"))
+    # With the script's Prometheus settings: its tasks serve on every interface and the job
+    # lists them for Prometheus' file-based discovery (no wait for a last scrape here).
+    targets, port = tmp_path_factory.mktemp("targets"), _free_port()
+    run = (*RUN, "--gin.RunConfig.prometheus_grace_seconds=0")
+    prometheus = {"PROMETHEUS_PORT": str(port), "PROMETHEUS_TARGETS": str(targets)}
+    job = slurm.wait(slurm.submit(model_dir, *run, **prometheus), Path(f"{model_dir}.out"))
     log = Path(f"{model_dir}.out").read_text()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, log[-3000:])
+    (listed,) = json.loads((targets / f"longt5-{job['JobId']}.json").read_text())
+    node = job["NodeList"]
+    assert listed == {"targets": [f"{node}:{port}", f"{node}:{port + 1}"],
+                      "labels": {"slurm_job": job["JobId"]}}  # fmt: skip
     assert job["Restarts"] == "0" and "requeueing" not in log
     # Two processes of one fake CPU device each (the allocation's), with no override given.
     assert "[0/2] " in log and "2 devices" in log, log[-3000:]

@@ -102,6 +102,17 @@ class LongT5Config:
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
 
+    @property
+    def name(self) -> str:
+        """'base-tglobal' where the sizes are a preset's (as configs/models/ names them), else
+        the sizes, e.g. 'd64-2+2layers-tglobal'."""
+        kind = "tglobal" if self.attention == "transient-global" else "local"
+        sizes = ("d_model", "d_ff", "num_heads", "d_kv", "num_encoder_layers", "num_decoder_layers")
+        for preset in ("tiny", *_SIZES):
+            if all(getattr(self.preset(preset), f) == getattr(self, f) for f in sizes):
+                return f"{preset}-{kind}"
+        return f"d{self.d_model}-{self.num_encoder_layers}+{self.num_decoder_layers}layers-{kind}"
+
     @classmethod
     def preset(cls, name: str, attention: str = "transient-global", **overrides) -> LongT5Config:
         """A published size ('small' .. 'xxl') or 'tiny' (a few thousand parameters, for tests)."""

@@ -63,6 +63,17 @@ class Experiment:
             accumulation=("StepConfig.microbatches", self.step.microbatches),
         )
 
+    def hparams(self) -> dict[str, str | int | float | bool]:
+        """Every scalar setting of the built sections as 'section.field' (for TensorBoard's
+        HParams tab, where runs are compared by them)."""
+        return {
+            f"{f.name}.{key}": value
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+            for key, value in dataclasses.asdict(getattr(self, f.name)).items()
+            if isinstance(value, str | int | float | bool)
+        }
+
     def summary(self) -> str:
         """One line per built section, for `--print_config` when gin has no operative text."""
         return "\n".join(

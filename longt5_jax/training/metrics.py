@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import jax
 
 from longt5_jax.formats.atomic import write_atomic
+from longt5_jax.training.tensorboard import TensorBoard
 
 
 class MetricsWriter:
@@ -28,9 +28,14 @@ class MetricsWriter:
         exporter: Any = None,
         flops_per_step: float = 0.0,
         peak_flops: float = 0.0,
+        eval_split: str = "eval",
+        config_text: str = "",
+        hparams: dict[str, Any] | None = None,
     ):
         """`exporter` (a PrometheusExporter) serves every row on this process; MFU is logged
-        when both the model FLOPs of a step and the devices' total peak FLOP/s are known."""
+        when both the model FLOPs of a step and the devices' total peak FLOP/s are known.
+        TensorBoard gets training and the `eval_split`'s evaluations as two runs, the operative
+        `config_text` and the `hparams` (tensorboard.py)."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.total_steps = total_steps
         self.exporter, self.flops_per_step, self.peak_flops = exporter, flops_per_step, peak_flops
@@ -38,13 +43,13 @@ class MetricsWriter:
         self._tokens = 0.0
         self._spent: dict[str, float] = {}
         if self.enabled:
-            SummaryWriter = _summary_writer()
             Path(model_dir).mkdir(parents=True, exist_ok=True)
             path = Path(model_dir) / "metrics.jsonl"
             kept = _rows_until(path, resume_step)
             write_atomic(path, "".join(line + "\n" for line in kept))
             self._jsonl = path.open("a")
-            self._tb = SummaryWriter(str(Path(model_dir) / "tensorboard"))
+            self._tb = TensorBoard(model_dir, resume_step, config_text, hparams)
+            self._eval_split = eval_split
 
     def start(self, step: int) -> None:
         """Begin timing at `step` (after compilation, so the first rate is not skewed)."""
@@ -78,9 +83,9 @@ class MetricsWriter:
         }
         if self.flops_per_step and self.peak_flops and steps:
             row["mfu"] = self.flops_per_step * row["steps_per_second"] / self.peak_flops
+        if self.exporter is not None:  # before start(): its counters take this interval's sums
+            self.exporter.update(row, steps=steps, tokens=self._tokens, spent=self._spent)
         self.start(step)
-        if self.exporter is not None:
-            self.exporter.update(row)
         if not self.enabled:
             return row
         rate = row["steps_per_second"]
@@ -94,10 +99,7 @@ class MetricsWriter:
         )
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        for k, v in row.items():
-            if k != "step":
-                self._tb.add_scalar(k, v, step)
-        self._tb.flush()
+        self._tb.train(step, row)
         return row
 
     @contextlib.contextmanager
@@ -126,13 +128,12 @@ class MetricsWriter:
         print(f"eval {step:>6}/{self.total_steps}  {shown}", flush=True)
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        for k, v in metrics.items():
-            self._tb.add_scalar(k, v, step)
-        self._tb.flush()
+        self._tb.eval(step, self._eval_split, metrics)
         return row
 
     def close(self) -> None:
-        if self.exporter is not None:
+        if self.exporter is not None:  # the last save came after the last row: counted here
+            self.exporter.update({}, spent=self._spent)
             self.exporter.close()
         if self.enabled:
             self._jsonl.close()
@@ -181,19 +182,3 @@ class StepProfiler:
             jax.profiler.stop_trace()
             if jax.process_index() == 0:
                 print(f"profile of steps {self.first}-{self.last} in {self.dir}", flush=True)
-
-
-def _summary_writer() -> type:
-    """tensorboardX's SummaryWriter, imported without torch: where torch is installed,
-    tensorboardX imports it only to accept its tensors (we log floats), which costs every
-    training process 1.5 s of start-up."""
-
-    hidden = "torch" not in sys.modules
-    if hidden:
-        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hidden:
-            del sys.modules["torch"]
-    return SummaryWriter

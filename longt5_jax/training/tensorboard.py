@@ -1,0 +1,94 @@
+"""TensorBoard laid out as T5X lays it out: training and each evaluated split are runs of their own
+(`MODEL_DIR/tensorboard/train`, `.../training_eval/<split>`) writing the same tag names, so eval
+loss overlays train loss in one chart; the operative gin config is a text summary at step 0 and
+the run's hyperparameters are in TensorBoard's HParams tab.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+TRAIN = "train"
+EVAL = "training_eval"
+
+
+class TensorBoard:
+    """The run's TensorBoard writers, one per run directory, opened as they are first needed."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        resume_step: int = 0,
+        config_text: str = "",
+        hparams: dict[str, Any] | None = None,
+    ):
+        self.root = Path(model_dir) / "tensorboard"
+        # A resumed run drops what an interrupted one logged after the step it resumes from,
+        # as metrics.jsonl does: TensorBoard would otherwise draw both.
+        self._purge = resume_step + 1 if resume_step else None
+        self._writers: dict[str, Any] = {}
+        train = self._writer(TRAIN)
+        if not resume_step:
+            if config_text:
+                # Markdown: indented as code, so gin's lines keep their layout.
+                text = "\n".join("    " + line for line in config_text.splitlines())
+                train.add_text("config", text, 0)
+            if hparams:
+                _add_hparams(train, hparams)
+        train.flush()
+
+    def train(self, step: int, row: dict[str, float]) -> None:
+        self._scalars(TRAIN, step, row)
+
+    def eval(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        """`metrics` of an evaluation of `split`, under the training tags ('eval/loss' is 'loss'
+        in the split's run)."""
+        scalars = {k.removeprefix("eval/"): v for k, v in metrics.items()}
+        self._scalars(f"{EVAL}/{split}", step, scalars)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+
+    def _scalars(self, run: str, step: int, values: dict[str, float]) -> None:
+        writer = self._writer(run)
+        for tag, value in values.items():
+            if tag != "step":
+                writer.add_scalar(tag, value, step)
+        writer.flush()
+
+    def _writer(self, run: str) -> Any:
+        if run not in self._writers:
+            self._writers[run] = _summary_writer()(str(self.root / run), purge_step=self._purge)
+        return self._writers[run]
+
+
+def _add_hparams(writer: Any, hparams: dict[str, Any]) -> None:
+    """The HParams tab's session for this run, its metric the training loss (logged as 'loss'
+    by the same run, so the tab reads it from there). Written into the run's own events file:
+    `add_hparams` would open a run of its own and log the metric again there."""
+    file_writer = writer._get_file_writer()
+    for summary in _tensorboardx().summary.hparams(hparams, {"loss": None}):
+        file_writer.add_summary(summary)
+
+
+def _summary_writer() -> type:
+    return _tensorboardx().SummaryWriter
+
+
+def _tensorboardx() -> Any:
+    """tensorboardX, imported without torch: where torch is installed, tensorboardX imports it
+    only to accept its tensors (we log floats), which costs every training process 1.5 s of
+    start-up."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        import tensorboardX
+        import tensorboardX.summary
+    finally:
+        if hidden:
+            del sys.modules["torch"]
+    return tensorboardX
