@@ -54,7 +54,7 @@ def zero_steps(a100):
 
 def _tensor_degree(path: str) -> int:
     configuration.parse([path], [])
-    return configuration.build(configuration.ParallelConfig).tensor
+    return configuration.build(ParallelConfig).tensor
 
 
 def _compile_configs(paths: list[str]) -> subprocess.CompletedProcess:
@@ -101,7 +101,7 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
     for row in rows:
         assert all(len(nodes) == 1 for nodes in row["tensor_nodes"]), row["path"]
         configuration.parse([row["path"]], ["ParallelConfig.data = -1"])
-        parallel = configuration.build(configuration.ParallelConfig)
+        parallel = configuration.build(ParallelConfig)
         layout = comm_model.Layout.of(parallel, 32, script.STEP, script.SHAPE)
         want = comm_model.by_kind(comm_model.volumes(shapes, layout))
         for kind, (got, model, ratio) in comm_model.compare(row["bytes"], want).items():
