@@ -237,6 +237,32 @@ def test_bench_cluster_writes_the_table_json_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_bench_scaling_compiles_each_point_and_reports_efficiency(tmp_path, capsys):
+    """Weak and strong scaling of one strategy from 1 to 2 nodes: three compiles (the first node
+    count's batch is both scalings'), the weak batch growing with the GPUs, efficiency 1 at the
+    first node count and samples/s per GPU against it elsewhere."""
+    from longt5_jax.bench import scaling
+
+    argv = ["--rows", "tiny:512", "--nodes", "2", "1", "--strategies", "DP+ZeRO-2"]
+    argv += ["--batch_size", "64", "--target_length", "64", "--out_dir", str(tmp_path)]
+    assert scaling.main(argv) == 0
+    assert capsys.readouterr().err.count("compiling") == 3
+    points = json.loads((tmp_path / "scaling.json").read_text())["points"]
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    got = [(p["scaling"], p["gpus"], p["batch_size"]) for p in points]
+    assert got == [("weak", 4, 64), ("weak", 8, 128), ("strong", 4, 64), ("strong", 8, 64)]
+    for p in points:
+        first = next(q for q in points if q["scaling"] == p["scaling"] and q["gpus"] == 4)
+        for bound, e in p["efficiency"].items():
+            per_gpu = p["samples_per_s"][bound] / p["gpus"]
+            assert e == pytest.approx(per_gpu / (first["samples_per_s"][bound] / 4))
+        if p["gpus"] == 4:
+            assert set(p["efficiency"].values()) == {1.0}
+    assert scaling.main([*argv, "--nodes", "0"]) == 2
+    assert "--nodes 0: expected node counts >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_bench_memory_sets_the_estimate_beside_the_compile_and_refits(tmp_path, capsys):
     """Two tiny layouts compiled for the A100 cluster: each row's compiled memory beside the
     estimate, and the refit's worst error no larger than the shipped calibration's (it is the

@@ -43,11 +43,15 @@ PAPER = {
 ROWS = ["base:4096", "large:4096", "xl:4096", "xl:8192"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m longt5_jax.bench cluster", description=__doc__.splitlines()[0]
-    )
-    targets.add_cluster_arguments(p, cpu=True)
+def parser(
+    prog: str = "python -m longt5_jax.bench cluster",
+    description: str = __doc__.splitlines()[0],
+    nodes: int | list[int] = 8,
+) -> argparse.ArgumentParser:
+    """Table 1's settings (the step, the cluster, the bounds' assumptions, rows and strategies);
+    `bench scaling` takes them with a list of node counts."""
+    p = cli.ArgumentParser(prog=prog, description=description)
+    targets.add_cluster_arguments(p, cpu=True, nodes=nodes)
     p.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:INPUT_LENGTH (tiny .. xxl)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--attention", default="tglobal")
@@ -72,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rows(args: argparse.Namespace) -> list[tuple[str, int]]:
+def rows(args: argparse.Namespace) -> list[tuple[str, int]]:
     out = []
     for row in args.rows:
         model, sep, length = row.partition(":")
@@ -96,7 +100,7 @@ def _throughputs(b: int, a: dict, mfu_time, ceiling_s: float) -> dict:
     }
 
 
-def _measure(args, cluster, devices, model: str, length: int, strategy: str) -> dict:
+def measure(args, cluster, devices, model: str, length: int, strategy: str) -> dict:
     """Compile one row and read its memory, communication and time bounds."""
     tensor, pipe, zero = STRATEGIES[strategy]
     kernel = args.attention_kernel
@@ -225,19 +229,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        rows = _rows(args)
+        wanted = rows(args)
         target, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
         cluster = cost.Cluster.from_args(target, args)
     except (ValueError, RuntimeError) as e:
         raise UsageError(str(e)) from None
     results = []
-    for model, length in rows:
+    for model, length in wanted:
         for strategy in args.strategies:
             print(f"compiling {strategy} {model}@{length}", file=sys.stderr, flush=True)
             try:
-                results.append(_measure(args, cluster, devices, model, length, strategy))
+                results.append(measure(args, cluster, devices, model, length, strategy))
             except ValueError as e:
                 raise UsageError(f"{strategy} {model}@{length}: {e}") from None
     print(

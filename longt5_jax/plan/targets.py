@@ -116,11 +116,15 @@ def prepare_environment() -> None:
         jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
-def add_cluster_arguments(parser, cpu: bool = False, nodes: int = 8, help: str = "") -> None:
-    """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them."""
+def add_cluster_arguments(
+    parser, cpu: bool = False, nodes: int | list[int] = 8, help: str = ""
+) -> None:
+    """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them
+    (--nodes a list of node counts where `nodes` is one)."""
     names = "a100-80gb, h100-80gb, cpu or a file" if cpu else "a100-80gb, h100-80gb or a file"
     parser.add_argument("--target", default="a100-80gb", help=help or names)
-    parser.add_argument("--nodes", type=int, default=nodes)
+    many = {"nargs": "+"} if isinstance(nodes, list) else {}
+    parser.add_argument("--nodes", type=int, default=nodes, **many)
     parser.add_argument("--gpus_per_node", type=int, default=4)
 
 
