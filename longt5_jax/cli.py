@@ -29,7 +29,19 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line (`prog: message`, exit 2 through `run`) instead of a
-    usage block; `--help` is unchanged."""
+    usage block; `--help` is unchanged. `settle(args)`, where given, completes or refuses what
+    one flag means given another (a dtype the target decides), once parsed."""
+
+    def __init__(self, *args, settle: typing.Callable[[argparse.Namespace], None] | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.settle = settle
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if self.settle is not None:
+            self.settle(parsed)
+        return parsed, rest
 
     def error(self, message: str) -> typing.NoReturn:
         raise UsageError(f"{self.prog}: {message} (see --help)")

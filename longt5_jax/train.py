@@ -4,7 +4,8 @@ Multi-process: under `srun` it joins the SLURM step by itself; elsewhere give
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (see launch/README.md).
 
 Configure -> devices (fake CPU ones without an accelerator, processes joined) -> check the layout
-fits -> hold MODEL_DIR (one run at a time) -> build the loop's parts -> `training.loop.train`.
+fits and the devices compute in its dtype -> hold MODEL_DIR (one run at a time) -> build the
+loop's parts -> `training.loop.train`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from longt5_jax.data.pipeline import load_tokenizer, make_dataset
 from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.errors import ConfigError
 from longt5_jax.model import LongT5, count_params
-from longt5_jax.parallel.devices import cpu_devices
+from longt5_jax.parallel.devices import check_dtype, cpu_devices
 from longt5_jax.parallel.mesh import make_mesh
 from longt5_jax.plan.flops import train_flops_per_step
 from longt5_jax.training import distributed, identity, loop, run_lock
@@ -57,6 +58,7 @@ def _train(argv: list[str]) -> int:
     cpu_devices(devices)
     distributed.initialize(processes, devices)
     exp.check_fits(jax.device_count())
+    check_dtype(exp.model.dtype, jax.local_devices()[0])  # a V100 would run bf16 dots in f32
     with run_lock.held(model_dir):  # before anything in MODEL_DIR is written
         parts = _parts(exp)
         try:

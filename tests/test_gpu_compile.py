@@ -7,10 +7,13 @@ per-device DP and ZeRO-1/2/3 bytes against the ring model within 10% (the GPU pr
 reduce-scatters); accumulation and pipelines reduce once (4 microbatches move no more than 1;
 a pipeline little more than the same step without it); asynchronous collectives counted once;
 mesh-spelled replica groups parsed; bytes attributed to NVLink or InfiniBand by where the mesh
-puts the devices. Skipped only without the `gpu` extra.
+puts the devices. For 2 nodes x 4 V100s (sm_70): the float16 step's kernels and GEMMs, and
+bfloat16's GEMMs run in float32 (why a V100 refuses it). Skipped only without the `gpu` extra.
 """
 
+import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 import subprocess
@@ -285,3 +288,47 @@ def test_bench_memory_sets_the_estimate_beside_the_compile_and_refits(tmp_path, 
     assert capsys.readouterr().err.strip() == (
         "error: --target: the calibration is against a GPU compile"
     )
+
+
+def _gemm_inputs(executable) -> collections.Counter:
+    """The element types of each cuBLAS GEMM's two matrices in a compiled program, counted."""
+    found = collections.Counter()
+    for comp in hlo_module.Module.parse(executable.as_text()).computations.values():
+        for i in comp.instrs:
+            if i.opcode == "custom-call" and 'custom_call_target="__cublas' in i.attrs:
+                found[tuple(comp.types[o].split("[")[0] for o in i.operands[:2])] += 1
+    return found
+
+
+def _v100_step(dtype: str, dump: Path | None = None) -> compile_ahead.CompiledStep:
+    """The tiny model's data-parallel train step in `dtype`, compiled for 2 nodes x 4 V100s,
+    XLA's dump of it (its kernels' PTX among it) in `dump`."""
+    devices = targets.devices(targets.load("v100-32gb"), 2, 4)
+    config, parallel = dataclasses.replace(CONFIG, dtype=dtype), ParallelConfig(-1, 1, 1, 0)
+    if dump is None:
+        return compile_ahead.compile_for(config, parallel, devices, 4, SHAPE)
+    step = compile_ahead.sharded_step(config, parallel, devices=devices)
+    lowered = step.lower(step.abstract_state, compile_ahead.abstract_batch(step, *SHAPE))
+    with compile_ahead._persistent_cache(False):  # a compile-only program cannot be read back
+        return compile_ahead.CompiledStep(step, lowered.compile({"xla_dump_to": str(dump)}), 4)
+
+
+@pytest.mark.slow  # ~10 s: the compile, and its dump of every kernel
+def test_the_float16_step_compiles_for_the_v100(tmp_path):
+    """For sm_70 (every kernel's PTX), within the V100's 32 GiB, its matmuls float16 GEMMs."""
+    compiled = _v100_step("float16", tmp_path)
+    assert compiled.step.mesh.devices.flat[0].compute_capability == "7.0"
+    assert list(tmp_path.glob("*.sm_7.0_gpu_after_optimizations.txt"))
+    ptx = [p.read_text() for p in tmp_path.glob("*.ptx")]
+    targets_seen = {line for text in ptx for line in text.splitlines() if line[:8] == ".target "}
+    assert targets_seen == {".target sm_70"}
+    assert 0 < compiled.memory().total <= 32 * 2**30
+    gemms = _gemm_inputs(compiled.executable)
+    assert gemms[("f16", "f16")] >= 30 and not any("bf16" in pair for pair in gemms), gemms
+
+
+def test_xla_runs_bfloat16_matmuls_in_float32_on_the_v100():
+    """Why bfloat16 is refused on a V100 (`parallel/devices.check_dtype`): XLA compiles it, but
+    converts every GEMM's bfloat16 inputs to float32, so neither half-precision speed is had."""
+    gemms = _gemm_inputs(_v100_step("bfloat16").executable)
+    assert gemms and set(gemms) == {("f32", "f32")}, gemms

@@ -1,15 +1,19 @@
 """The planner ranks candidates, compiles the best (for the A100 cluster with XLA's GPU
 compiler, deviceless, or on the test's 8 fake CPU devices), prints the gin flags that select
-them, and turns bad input into one line and exit status 2. Compile targets load and place
-devices on nodes."""
+them, and turns bad input into one line and exit status 2. Compile targets load, carry their
+figures and half precision (float16 on a V100, which has no bfloat16: refused there, by the
+commands and by a run's devices), and place devices on nodes."""
 
 import dataclasses
+import types
 from pathlib import Path
 
 import jax
 import pytest
 
+from longt5_jax.errors import ConfigError
 from longt5_jax.model import LongT5Config
+from longt5_jax.parallel import devices as local
 from longt5_jax.parallel.mesh import node_of
 from longt5_jax.plan import candidates, memory_model, targets
 from longt5_jax.plan import planner as plan
@@ -18,6 +22,10 @@ GPU = pytest.mark.skipif(
     not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
 )
 
+NO_BF16 = (
+    "--dtype bfloat16: Tesla V100-SXM2-32GB (compute capability 7.0) has no bfloat16; "
+    "use --dtype float16"
+)
 SMALL = ["--model", "tiny", "--nodes", "1", "--gpus_per_node", "8", "--input_length", "128"]
 SMALL += ["--target_length", "16", "--batch_sizes", "16", "--show", "3"]
 
@@ -70,7 +78,8 @@ def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
         (["--model", "tiny", "--nodes", "1", "--gpus_per_node", "3", "--batch_sizes", "16"],
          "no data x tensor x pipeline layout of 3 devices"),
         (["--attention", "sparse"], "LongT5Config.attention='sparse'"),
-        (["--target", "v100"], "--target 'v100': expected cpu, one of ['a100-80gb', 'h100-80gb']"),
+        (["--target", "v100"], f"--target 'v100': expected cpu, one of {targets.names()}"),
+        (["--target", "v100-32gb", "--dtype", "bfloat16"], NO_BF16),
         (["--offload", "disk"], "--offload disk: expected some of ('none', 'optimizer'"),
     ],
 )  # fmt: skip
@@ -102,6 +111,85 @@ def test_targets_carry_their_figures(tmp_path):
     own.write_text("gpu_device_info { core_count: 1 }")
     with pytest.raises(ValueError, match="no cuda_compute_capability"):
         targets.load(str(own))
+    # XLA's own files may leave the minor version out (a proto default); a Pascal has no figures.
+    own.write_text(a100.spec.replace("major: 8 minor: 0", "major: 8"))
+    assert targets.load(str(own)).compute_capability == "8.0"
+    own.write_text(a100.spec.replace("major: 8", "major: 6"))
+    with pytest.raises(ValueError, match=r"capability 6.x has no figures here \(7, 8 or 9\)"):
+        targets.load(str(own))
+
+
+def test_the_v100_target_has_its_figures_and_computes_in_float16():
+    v100 = targets.load("v100-32gb")
+    assert (v100.memory_gib, v100.hbm_gbps, v100.compute_capability) == (32.0, 900.0, "7.0")
+    assert v100.figures == targets.Figures(125.0, 150.0, 12.5, 12.5)
+    assert v100.description == "Tesla V100-SXM2-32GB" and v100.is_gpu
+    halves = {name: targets.load(name).half_dtype for name in [*targets.names(), "cpu"]}
+    assert halves == {
+        "a100-80gb": "bfloat16",
+        "h100-80gb": "bfloat16",
+        "v100-32gb": "float16",
+        "cpu": "bfloat16",
+    }
+    assert v100.dtype(None) == "float16" and v100.dtype("float32") == "float32"
+    with pytest.raises(ValueError, match="has no bfloat16"):
+        v100.dtype("bfloat16")
+
+
+def test_commands_default_dtype_to_the_targets_half_precision(capsys):
+    """The planner, `bench cluster` and `bench scaling` (which shares its parser) alike."""
+    from longt5_jax.bench import cluster, scaling
+
+    for parse in (plan._parser().parse_args, cluster.parser().parse_args,
+                  scaling._parser().parse_args):  # fmt: skip
+        assert parse(["--target", "v100-32gb"]).dtype == "float16"
+        assert parse(["--target", "v100-32gb", "--dtype", "float32"]).dtype == "float32"
+        assert parse(["--target", "cpu"]).dtype == "bfloat16"
+        assert parse([]).dtype == "bfloat16"  # the default target: A100
+    assert plan.main([*SMALL, "--target", "v100-32gb", "--compile_top", "0"]) == 0
+    assert "tiny transient-global float16 128/16 on 1 nodes x 8 GPUs, 32 GiB, 125 TFLOP/s" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("command", ["cluster", "scaling"])
+def test_bench_refuses_bfloat16_on_a_v100_in_one_line(command, capsys):
+    from longt5_jax.bench import cluster, scaling
+
+    main = {"cluster": cluster.main, "scaling": scaling.main}[command]
+    assert main(["--target", "v100-32gb", "--dtype", "bfloat16"]) == 2
+    assert capsys.readouterr().err == f"error: {NO_BF16}\n"
+
+
+def _gpu(kind: str, capability: str):
+    """What a jax CUDA device says of itself, as far as the dtype check reads it."""
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=capability)
+
+
+def test_a_run_refuses_bfloat16_on_devices_without_it():
+    v100 = _gpu("Tesla V100-SXM2-32GB", "7.0")
+    with pytest.raises(ConfigError) as e:
+        local.check_dtype("bfloat16", v100)
+    assert str(e.value) == (
+        "LongT5Config.dtype='bfloat16': Tesla V100-SXM2-32GB (compute capability 7.0) has no "
+        "bfloat16; use 'float16' (or 'float32')"
+    )
+    for dtype in ("float16", "float32"):
+        local.check_dtype(dtype, v100)
+    local.check_dtype("bfloat16", _gpu("NVIDIA A100-SXM4-80GB", "8.0"))
+    local.check_dtype("bfloat16", _gpu("AMD Instinct MI250X", "gfx90a"))  # ROCm: not CUDA's rule
+    local.check_dtype("bfloat16", jax.devices()[0])  # the test's CPU devices
+    with pytest.raises(ConfigError, match=r"Quadro RTX 6000 \(compute capability 7.5\)"):
+        local.check_dtype("bfloat16", _gpu("Quadro RTX 6000", "7.5"))
+
+
+@GPU
+def test_compile_only_v100s_say_their_capability_as_real_ones_do():
+    """The check reads a device's `compute_capability`: the compile-only V100 has it too."""
+    (device,) = targets.devices(targets.load("v100-32gb"), 1, 1)
+    assert (device.device_kind, device.compute_capability) == ("Tesla V100-SXM2-32GB", "7.0")
+    with pytest.raises(ConfigError, match="has no bfloat16"):
+        local.check_dtype("bfloat16", device)
 
 
 @GPU
@@ -126,6 +214,7 @@ def test_gpu_specs_ship_with_the_package():
     assert sorted(p.name for p in targets.SPECS.glob(pattern.split("/")[-1])) == [
         "a100-80gb.txtpb",
         "h100-80gb.txtpb",
+        "v100-32gb.txtpb",
     ]
     assert (targets.SPECS.parent / pattern.split("/")[0]) == targets.SPECS
 

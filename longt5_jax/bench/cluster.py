@@ -1,15 +1,16 @@
 """The paper's Table 1 on the compiled GPU program: its three strategies on 8 x 4 A100-80GB.
 
-Each row compiles the full train step (global batch 512 in 4 accumulation microbatches, bf16,
-full remat, as the paper trains) for the target cluster with XLA's GPU compiler, deviceless
-(`plan/targets.py`), and reads off the program: per-device memory from the GPU buffer assignment,
-collective bytes per step by kind and by link (NVLink inside a node, InfiniBand across), a
-roofline over its kernels, and the communication its schedule leaves exposed. Compute time comes
-two ways (analytic FLOPs at an assumed MFU, plus the pipeline bubble; the roofline of the
-compiled kernels), communication with no overlap and with full overlap, so each gives a range of
-step times; between them, the roofline plus the communication XLA's schedule leaves exposed.
-Beside them: the paper's figures, and the physical ceiling (model FLOPs at 100% of peak), so a
-reader sees which of the paper's numbers are possible. Every assumption is a flag and printed.
+Each row compiles the full train step (global batch 512 in 4 accumulation microbatches, in the
+target's half precision: bf16, fp16 on a V100; full remat, as the paper trains) for the target
+cluster with XLA's GPU compiler, deviceless (`plan/targets.py`), and reads off the program:
+per-device memory from the GPU buffer assignment, collective bytes per step by kind and by link
+(NVLink inside a node, InfiniBand across), a roofline over its kernels, and the communication its
+schedule leaves exposed. Compute time comes two ways (analytic FLOPs at an assumed MFU, plus the
+pipeline bubble; the roofline of the compiled kernels), communication with no overlap and with full
+overlap, so each gives a range of step times; between them, the roofline plus the communication
+XLA's schedule leaves exposed. Beside them: the paper's figures, and the physical ceiling (model
+FLOPs at 100% of peak), so a reader sees which of the paper's numbers are possible. Every assumption
+is a flag and printed.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def parser(
 ) -> argparse.ArgumentParser:
     """Table 1's settings (the step, the cluster, the bounds' assumptions, rows and strategies);
     `bench scaling` takes them with a list of node counts."""
-    p = cli.ArgumentParser(prog=prog, description=description)
+    p = cli.ArgumentParser(prog=prog, description=description, settle=targets.settle_dtype)
     targets.add_cluster_arguments(p, cpu=True, nodes=nodes)
     p.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:INPUT_LENGTH (tiny .. xxl)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
@@ -61,14 +62,16 @@ def parser(
     p.add_argument("--accumulation", type=int, default=4, help="gradient accumulation microbatches")
     p.add_argument("--pipeline_microbatches", type=int, default=16)
     p.add_argument("--remat", default="full")
-    p.add_argument("--dtype", default="bfloat16")
+    targets.add_dtype_argument(p)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
     p.add_argument(
         "--grad_dtype", default="float32", choices=["float32", "bfloat16"],
         help="the gradient reduction's dtype (bfloat16: the paper's half-precision gradients)",
     )  # fmt: skip
     p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the pessimistic bound")
-    p.add_argument("--peak_tflops", type=float, help="per GPU, dense bf16 (default: the target's)")
+    p.add_argument(
+        "--peak_tflops", type=float, help="per GPU, dense half precision (default: the target's)"
+    )
     p.add_argument("--hbm_gbps", type=float, help="per GPU (default: the target's)")
     p.add_argument("--intra_node_gbps", type=float, help="per GPU (default: the target's NVLink)")
     p.add_argument("--inter_node_gbps", type=float, help="per GPU (default: the target's NIC)")

@@ -10,7 +10,7 @@ import jax
 
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows
+from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows, clamp_float16
 from longt5_jax.model.long_attention import GlobalBlocks, LongSelfAttention
 
 EMBED = ("batch", "length", "embed")
@@ -44,9 +44,9 @@ class EncoderLayer(nn.Module):
         h = LongSelfAttention(c, det, name="attention")(
             h, segment_ids, local_bias_HWX, blocks, side_table_HR, rows
         )
-        x = x + Dropout(c.dropout_rate, det)(h, rows)
+        x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
-        x = x + Dropout(c.dropout_rate, det)(h, rows)
+        x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         return nn.with_logical_constraint(x, EMBED), None
 
 
@@ -77,7 +77,8 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, cache_index, axis=1)
-        x = x + Dropout(c.dropout_rate, det)(attn(h, k, v, self_mask, self_bias_HTS, rows), rows)
+        h = attn(h, k, v, self_mask, self_bias_HTS, rows)
+        x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
 
         h = RMSNorm(**norm, name="pre_cross_attention_layer_norm")(x)
         cross = Attention(c, det, name="encoder_decoder_attention")
@@ -85,9 +86,12 @@ class DecoderLayer(nn.Module):
             ck, cv = cache["cross_k"], cache["cross_v"]
         else:  # Training, or the first decoding step, which fills the cross-attention cache.
             ck, cv = cross.keys_values(encoded)
-        x = x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
+        x = clamp_float16(
+            x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
+        )
 
         h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
-        x = nn.with_logical_constraint(x + Dropout(c.dropout_rate, det)(h, rows), EMBED)
+        x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
+        x = nn.with_logical_constraint(x, EMBED)
         new_cache = None if cache is None else dict(self_k=k, self_v=v, cross_k=ck, cross_v=cv)
         return x, new_cache

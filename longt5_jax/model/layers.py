@@ -31,6 +31,24 @@ def uniform_fan_avg() -> Initializer:
     return jax.nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
 
 
+def clamp_float16(x: jax.Array) -> jax.Array:
+    """The residual stream clipped into float16's range, less a margin (transformers' T5 does
+    the same): T5's feed-forward output can outgrow float16's 65504, and one inf there would make
+    every later layer NaN. Other dtypes pass through untouched."""
+    return _clamp(x) if x.dtype == jnp.float16 else x
+
+
+@jax.custom_jvp
+def _clamp(x: jax.Array) -> jax.Array:
+    limit = float(jnp.finfo(jnp.float16).max) - 1000.0
+    return jnp.clip(x, -limit, limit)
+
+
+# The gradient passes straight through: clip's own would need the forward value in the backward
+# pass, which under remat recomputes the feed-forward output and its tensor all-reduce.
+_clamp.defjvp(lambda primals, tangents: (_clamp(*primals), tangents[0]))
+
+
 class RMSNorm(nn.Module):
     """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale; no centring, no bias; stats in float32."""
 

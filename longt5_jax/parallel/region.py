@@ -120,13 +120,14 @@ class ShardRegion:
 
     def grads(
         self,
-        fn: Callable[[Any, Any, jax.Array | None], tuple[dict, Any]],
+        fn: Callable[[Any, Any, jax.Array | None, jax.Array | None], tuple[dict, Any]],
         params: Any,
         batch: Any,
         rng: jax.Array | None,
+        loss_scale: jax.Array | None = None,
     ) -> tuple[dict, Any]:
-        """fn(params, local rows, rng) -> (summed statistics, summed gradients) of one shard;
-        returns their sums over the mesh, gradients in the grad layout.
+        """fn(params, local rows, rng, loss_scale) -> (summed statistics, summed gradients) of
+        one shard; returns their sums over the mesh, gradients in the grad layout.
 
         The gradients leave the region unreduced, each shard's partial sum stacked on a new
         leading axis, and are summed over it outside, where XLA sees every axis: it reduces
@@ -137,21 +138,21 @@ class ShardRegion:
         param_specs = self._param_specs()
         stack_specs = jax.tree.map(self._stack_spec, param_specs)
 
-        def local(params, batch, rng):
-            stats, grads = fn(self._vary(params, param_specs), batch, rng)
+        def local(params, batch, rng, loss_scale):
+            stats, grads = fn(self._vary(params, param_specs), batch, rng, loss_scale)
             stats = jax.tree.map(lambda s: jax.lax.psum(s, self.manual), stats)
             return stats, jax.tree.map(lambda g: g.astype(self.reduce_dtype)[None], grads)
 
         region = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(param_specs, self._batch_spec(), PartitionSpec()),
+            in_specs=(param_specs, self._batch_spec(), PartitionSpec(), PartitionSpec()),
             out_specs=(PartitionSpec(), stack_specs),
             axis_names=set(self.manual),
             check_vma=True,
         )
         with nn.logical_axis_rules(self._inner_rules(nn.get_logical_axis_rules())):
-            stats, partial = region(self._enter(params), batch, rng)
+            stats, partial = region(self._enter(params), batch, rng, loss_scale)
         grads = jax.tree.map(
             lambda g, want: jax.lax.with_sharding_constraint(
                 jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,)).astype(jnp.float32),

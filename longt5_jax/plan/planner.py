@@ -5,12 +5,13 @@ not divide or whose analytic memory is hopeless, ranks the rest by the cost mode
 then compiles the full-size step for the best `--compile_top` from abstract arrays only
 (`compile_ahead.py`) and ranks those by the compiled program's memory and communication.
 
-`--target a100-80gb | h100-80gb` (or a GpuTargetConfig file) compiles with XLA's GPU compiler
-for `--nodes x --gpus_per_node` compile-only GPUs (the `gpu` extra; no GPU needed): memory is
-the GPU buffer assignment, collectives are the GPU program's. `--target cpu` compiles for as
-many fake CPU devices, the CPU compiler's program (other buffer assignment; reduce-scatter
-spelled all-reduce + dynamic-slice); the device count is fixed when jax starts, so the planner
-sets it, or re-runs itself in a subprocess asking for it.
+`--target a100-80gb | h100-80gb | v100-32gb` (or a GpuTargetConfig file) compiles with XLA's
+GPU compiler for `--nodes x --gpus_per_node` compile-only GPUs (the `gpu` extra; no GPU needed),
+in the target's half precision unless `--dtype` says otherwise: memory is the GPU buffer
+assignment, collectives are the GPU program's. `--target cpu` compiles for as many fake CPU
+devices, the CPU compiler's program (other buffer assignment; reduce-scatter spelled all-reduce
++ dynamic-slice); the device count is fixed when jax starts, so the planner sets it, or re-runs
+itself in a subprocess asking for it.
 """
 
 from __future__ import annotations
@@ -40,17 +41,23 @@ WIDTH = 62  # of a candidate's label
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="python -m longt5_jax.plan", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(
+        prog="python -m longt5_jax.plan",
+        description=__doc__.split("\n")[0],
+        settle=targets.settle_dtype,
+    )
     p.add_argument("--model", default="base", help="preset: tiny, small, base, large, xl, xxl")
     p.add_argument("--attention", default="tglobal", help="local or tglobal")
     p.add_argument("--input_length", type=int, default=4096)
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[128], help="global batches")
-    p.add_argument("--dtype", default="bfloat16", help="activation/matmul dtype")
+    targets.add_dtype_argument(p)
     p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
     targets.add_cluster_arguments(p, cpu=True)
     p.add_argument("--memory_gib", type=float, help="per GPU (default: the target's)")
-    p.add_argument("--peak_tflops", type=float, help="per GPU, bf16 dense (default: the target's)")
+    p.add_argument(
+        "--peak_tflops", type=float, help="per GPU, half-precision dense (default: the target's)"
+    )
     p.add_argument("--intra_node_gbps", type=float, help="GB/s per GPU (default: NVLink's)")
     p.add_argument("--inter_node_gbps", type=float, help="GB/s per GPU (default: the NIC's)")
     p.add_argument("--host_gbps", type=float, help="GB/s per GPU to host memory (default: PCIe's)")
@@ -177,9 +184,9 @@ def _ranked(args: argparse.Namespace, config: LongT5Config, cluster: Cluster) ->
     estimates = [cands.estimate(c, shapes, lengths, cluster) for c in found]
     kept = [e for e in estimates if e.memory <= 1.5 * limit]
     print(
-        f"{args.model} {config.attention} {args.input_length}/{args.target_length} on "
-        f"{cluster.describe()}\n{len(found)} candidates divide; {len(found) - len(kept)} dropped "
-        f"as hopeless (analytic memory > 1.5 x {cluster.memory_gib:g} GiB); "
+        f"{args.model} {config.attention} {config.dtype} {args.input_length}/{args.target_length} "
+        f"on {cluster.describe()}\n{len(found)} candidates divide; {len(found) - len(kept)} "
+        f"dropped as hopeless (analytic memory > 1.5 x {cluster.memory_gib:g} GiB); "
         f"{sum(e.memory <= limit for e in kept)} fit by the analytic estimate",
         flush=True,
     )

@@ -1,14 +1,18 @@
 """Compile targets: the GPUs a step can be compiled for without having them, and their figures.
 
-`--target a100-80gb | h100-80gb` compiles with XLA's real GPU compiler, deviceless: the `gpu`
-extra's CUDA plugin builds compile-only devices for a `nodes x gpus_per_node` topology from the
-device description in `gpu_specs/NAME.txtpb` (XLA's GpuTargetConfig text format; a user's own
-file of that format works too, e.g. one of XLA's `tools/hlo_opt/gpu_specs`). The compile-only
-devices carry their node as `process_index`. `--target cpu` compiles for fake CPU devices, the
-CPU compiler's program, with the A100's figures for the cost model.
+`--target NAME` (a100-80gb, h100-80gb, v100-32gb: the files in `gpu_specs/`) compiles with XLA's
+real GPU compiler, deviceless: the `gpu` extra's CUDA plugin builds compile-only devices for a
+`nodes x gpus_per_node` topology from the device description in `gpu_specs/NAME.txtpb` (XLA's
+GpuTargetConfig text format; a user's own file of that format works too, e.g. one of XLA's
+`tools/hlo_opt/gpu_specs`). The compile-only devices carry their node as `process_index`.
+`--target cpu` compiles for fake CPU devices, the CPU compiler's program, with the A100's
+figures for the cost model.
 
-The figures the cost model needs beyond what XLA is told (dense bf16 peak, link bandwidths per
-GPU and direction) come from the table below, chosen by compute capability; flags override them.
+The figures the cost model needs beyond what XLA is told (dense half-precision peak, link
+bandwidths per GPU and direction) come from the table below, chosen by compute capability; flags
+override them. Half precision is the target's too: bfloat16, float16 on a GPU without bfloat16
+(the rule of `parallel/devices.py`, which real runs check), so the commands that compile for a
+target default `--dtype` to it and refuse bfloat16 where it has none.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies
 
-from longt5_jax.parallel.devices import cpu_devices
+from longt5_jax.errors import UsageError
+from longt5_jax.parallel.devices import cpu_devices, has_bfloat16
 
 SPECS = Path(__file__).parent / "gpu_specs"
 # The CUDA plugin checks the driver when jax starts unless told not to; deviceless there is no
@@ -34,16 +39,21 @@ DEVICELESS_ENV = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu"
 class Figures:
     """Per-GPU performance figures (bandwidths in GB/s = 1e9 bytes/s, one direction)."""
 
-    peak_tflops: float  # dense bf16 tensor-core peak
+    peak_tflops: float  # dense half-precision (bf16, or fp16 where the GPU has no bf16) peak
     intra_node_gbps: float  # NVLink
     inter_node_gbps: float  # the GPU's InfiniBand NIC
     host_gbps: float  # PCIe to host memory
 
 
-# By CUDA compute capability major version. A100: 312 TFLOP/s, NVLink 3 (600 GB/s both ways),
-# one HDR 200 Gb/s NIC per GPU, PCIe 4 x16. H100 SXM: 989 TFLOP/s, NVLink 4 (900 GB/s both ways),
-# NDR 400 Gb/s, PCIe 5 x16.
-_FIGURES = {8: Figures(312.0, 300.0, 25.0, 25.0), 9: Figures(989.0, 450.0, 50.0, 50.0)}
+# By CUDA compute capability major version, from NVIDIA's data sheets. V100 SXM2: 125 TFLOP/s
+# fp16 tensor core, NVLink 2 (300 GB/s both ways), one EDR 100 Gb/s NIC per GPU, PCIe 3 x16.
+# A100: 312 TFLOP/s bf16, NVLink 3 (600 GB/s both ways), one HDR 200 Gb/s NIC per GPU, PCIe 4
+# x16. H100 SXM: 989 TFLOP/s bf16, NVLink 4 (900 GB/s both ways), NDR 400 Gb/s, PCIe 5 x16.
+_FIGURES = {
+    7: Figures(125.0, 150.0, 12.5, 12.5),
+    8: Figures(312.0, 300.0, 25.0, 25.0),
+    9: Figures(989.0, 450.0, 50.0, 50.0),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +65,29 @@ class Target:
     memory_gib: float
     hbm_gbps: float
     figures: Figures
+    compute_capability: str = ""  # "7.0"; "" for CPU
+    description: str = ""  # the GPU's name, as its driver says it
 
     @property
     def is_gpu(self) -> bool:
         return bool(self.spec)
+
+    @property
+    def half_dtype(self) -> str:
+        """The half-precision dtype of training here: bfloat16, float16 on a GPU without it."""
+        return "bfloat16" if has_bfloat16(self.compute_capability) else "float16"
+
+    def dtype(self, requested: str | None) -> str:
+        """A command's compute dtype: `requested` (its --dtype), by default the half dtype; a
+        one-line ValueError for bfloat16 on a GPU without it."""
+        if requested is None:
+            return self.half_dtype
+        if requested == "bfloat16" and self.half_dtype != "bfloat16":
+            raise ValueError(
+                f"--dtype bfloat16: {self.description} (compute capability "
+                f"{self.compute_capability}) has no bfloat16; use --dtype {self.half_dtype}"
+            )
+        return requested
 
 
 def _field(spec: str, name: str, source: str) -> float:
@@ -68,32 +97,47 @@ def _field(spec: str, name: str, source: str) -> float:
     return float(m.group(1))
 
 
+def names() -> list[str]:
+    """The targets shipped in `gpu_specs/`, by name."""
+    return sorted(p.stem for p in SPECS.glob("*.txtpb"))
+
+
+def _either(items: list) -> str:
+    """'a, b or c'."""
+    items = [str(i) for i in items]
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else "".join(items)
+
+
 def load(name: str) -> Target:
-    """`a100-80gb`, `h100-80gb`, `cpu`, or the path of a GpuTargetConfig text file."""
+    """One of `names()`, `cpu`, or the path of a GpuTargetConfig text file."""
     if name == "cpu":
         a100 = load("a100-80gb")
-        return dataclasses.replace(a100, name="cpu", spec="")
+        return dataclasses.replace(a100, name="cpu", spec="", compute_capability="", description="")
     path = SPECS / f"{name}.txtpb"
     if not path.is_file():
         path = Path(name)
         if not path.is_file():
-            known = sorted(p.stem for p in SPECS.glob("*.txtpb"))
             raise ValueError(
-                f"--target {name!r}: expected cpu, one of {known}, or a GpuTargetConfig file"
+                f"--target {name!r}: expected cpu, one of {names()}, or a GpuTargetConfig file"
             )
     spec = path.read_text()
-    m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", spec)
+    # major before minor, as XLA writes it; a minor left out is 0 (a proto default).
+    m = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s+minor:\s*(\d+))?", spec)
     if m is None:
         raise ValueError(f"{path}: no cuda_compute_capability; expected a GpuTargetConfig file")
     major = int(m.group(1))
     if major not in _FIGURES:
-        raise ValueError(f"{path}: compute capability {major}.x has no figures here (8 or 9)")
+        known = _either(sorted(_FIGURES))
+        raise ValueError(f"{path}: compute capability {major}.x has no figures here ({known})")
+    described = re.search(r'device_description_str:\s*"([^"]*)"', spec)
     return Target(
         name=path.stem,
         spec=spec,
         memory_gib=_field(spec, "device_memory_size", str(path)) / 2**30,
         hbm_gbps=_field(spec, "memory_bandwidth", str(path)) / 1e9,
         figures=_FIGURES[major],
+        compute_capability=f"{major}.{m.group(2) or 0}",
+        description=described.group(1) if described else path.stem,
     )
 
 
@@ -121,11 +165,34 @@ def add_cluster_arguments(
 ) -> None:
     """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them
     (--nodes a list of node counts where `nodes` is one)."""
-    names = "a100-80gb, h100-80gb, cpu or a file" if cpu else "a100-80gb, h100-80gb or a file"
-    parser.add_argument("--target", default="a100-80gb", help=help or names)
+    parser.add_argument("--target", default="a100-80gb", help=help or names_help(cpu))
     many = {"nargs": "+"} if isinstance(nodes, list) else {}
     parser.add_argument("--nodes", type=int, default=nodes, **many)
     parser.add_argument("--gpus_per_node", type=int, default=4)
+
+
+def names_help(cpu: bool = False) -> str:
+    """What --target takes, for a help line: 'a100-80gb, h100-80gb, ..., cpu or a file'."""
+    return _either([*names(), *(["cpu"] if cpu else []), "a file"])
+
+
+def add_dtype_argument(parser) -> None:
+    """--dtype, whose default the target decides (`settle_dtype` settles it once parsed)."""
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"],
+        help="activation/matmul dtype (default: the target's half precision: bfloat16, float16 "
+        "on a GPU without bfloat16)",
+    )  # fmt: skip
+
+
+def settle_dtype(args) -> None:
+    """An unset --dtype becomes the target's half precision; bfloat16 on a GPU without it is a
+    one-line error. Every command compiling for a target parses with it (`cli.ArgumentParser`'s
+    `settle`), so commands sharing a parser (`bench cluster`, `bench scaling`) settle alike."""
+    try:
+        args.dtype = load(args.target).dtype(args.dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def open_target(name: str, nodes: int, gpus_per_node: int) -> tuple[Target, list]:

@@ -136,7 +136,10 @@ def _steps(exp: Experiment, parts: Parts, state: TrainState, writer: MetricsWrit
         if (i + 1) % run.log_every == 0 or last:
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
-            row = writer.write(i + 1, {**values, "learning_rate": learning_rate_at(exp.optim, i)})
+            # A skipped step (float16 overflow) leaves the optimizer's count, so its schedule.
+            updates = i - int(values.get("skipped_steps", 0))
+            lr = learning_rate_at(exp.optim, max(updates, 0))
+            row = writer.write(i + 1, {**values, "learning_rate": lr})
         if evaluate.due(i + 1):
             with writer.paused():
                 writer.write_eval(i + 1, evaluate(i + 1, state.params))

@@ -91,10 +91,13 @@ class MetricsWriter:
         rate = row["steps_per_second"]
         eta = f"{(self.total_steps - step) / rate / 60:.1f} min" if rate > 0 else "n/a"
         mfu = f"  MFU {row['mfu']:.1%}" if "mfu" in row else ""
+        scaled = ""
+        if "loss_scale" in row:  # float16: the scale and how many steps overflowed so far
+            scaled = f"  loss scale {row['loss_scale']:g} ({row['skipped_steps']:g} skipped)"
         print(
             f"step {step:>6}/{self.total_steps}  loss {row['loss']:.4f}  "
-            f"lr {row.get('learning_rate', 0):.2e}  grad_norm {row.get('grad_norm', 0):.3f}  "
-            f"{row['tokens_per_second']:,.0f} tokens/s{mfu}  ETA {eta}",
+            f"lr {row.get('learning_rate', 0):.2e}  grad_norm {row.get('grad_norm', 0):.3f}"
+            f"{scaled}  {row['tokens_per_second']:,.0f} tokens/s{mfu}  ETA {eta}",
             flush=True,
         )
         self._jsonl.write(json.dumps(row) + "\n")

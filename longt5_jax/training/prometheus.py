@@ -55,6 +55,9 @@ GLOBAL_GAUGES = {
     "grad_norm": ("longt5_grad_norm", "global L2 norm of the latest logged step's gradients"),
     "learning_rate": ("longt5_learning_rate", "learning rate of the latest logged step"),
     "mfu": ("longt5_mfu_ratio", "model FLOPs utilisation over the last logged steps"),
+    # float16 runs (dynamic loss scaling); the skipped count is the run's, restored on resume.
+    "loss_scale": ("longt5_loss_scale", "the loss scale the latest logged step ran with"),
+    "skipped_steps": ("longt5_skipped_steps", "steps skipped for overflowing gradients, all run"),
 }
 # Row figures Prometheus derives itself: rate() of the counters.
 DERIVED = ("tokens_per_second", "steps_per_second", "data_wait_seconds", "checkpoint_seconds")

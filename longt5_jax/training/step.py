@@ -33,6 +33,7 @@ from longt5_jax.parallel.sharding import (
     tree_shardings,
 )
 from longt5_jax.parallel.xla_options import compiler_options
+from longt5_jax.training.loss_scale import LossScale
 from longt5_jax.training.optim import moment_axes
 
 Batch = dict[str, jax.Array]
@@ -52,10 +53,34 @@ class StepConfig:
     grad_dtype: Literal["float32", "bfloat16"] = "float32"
     # A NaN/Inf loss or gradient stops the run (naming the step) unless updates are skipped.
     skip_nonfinite: bool = False
+    # Dynamic loss scaling (training/loss_scale.py), which float16 needs: 'auto' scales when
+    # LongT5Config.dtype is float16. A step whose gradients overflow is skipped and the scale
+    # divided by the factor; after `loss_scale_period` finite steps it is multiplied by it. The
+    # loss scaled is the token sum, so each token's cotangent is about the scale itself (a mean
+    # loss would divide it by the tokens): 2^12 leaves float16's 2^16 a margin of 16.
+    loss_scale: Literal["auto", "dynamic", "none"] = "auto"
+    loss_scale_initial: float = 2.0**12
+    loss_scale_period: int = 1000
+    loss_scale_factor: int = 2
 
     def __post_init__(self):
         if self.microbatches < 1:
             raise ValueError(f"StepConfig.microbatches={self.microbatches}: expected >= 1")
+        if self.loss_scale not in ("auto", "dynamic", "none"):
+            raise ValueError(
+                f"StepConfig.loss_scale={self.loss_scale!r}: expected 'auto', 'dynamic' or 'none'"
+            )
+        for name, value, low in (
+            ("loss_scale_initial", self.loss_scale_initial, 1),
+            ("loss_scale_period", self.loss_scale_period, 1),
+            ("loss_scale_factor", self.loss_scale_factor, 2),
+        ):
+            if not value >= low:
+                raise ValueError(f"StepConfig.{name}={value!r}: expected >= {low}")
+
+    def scales_loss(self, dtype: str) -> bool:
+        """Whether a model computing in `dtype` trains with its loss scaled."""
+        return self.loss_scale == "dynamic" or (self.loss_scale == "auto" and dtype == "float16")
 
 
 @flax.struct.dataclass
@@ -63,13 +88,25 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    loss_scale: LossScale | None = None  # where the loss is scaled (float16)
 
 
 def loss_and_grads(
-    model: LongT5, cfg: StepConfig, params: Any, batch: Batch, rng: jax.Array | None
+    model: LongT5,
+    cfg: StepConfig,
+    params: Any,
+    batch: Batch,
+    rng: jax.Array | None,
+    loss_scale: jax.Array | None = None,
 ) -> tuple[dict[str, jax.Array], Any]:
-    """Summed statistics and summed gradients over `cfg.microbatches` slices of the batch."""
-    raw_grad = jax.grad(lambda p, b, r: summed_loss(model, p, b, cfg.z_loss, r), has_aux=True)
+    """Summed statistics and summed gradients over `cfg.microbatches` slices of the batch; the
+    gradients are of the loss times `loss_scale`, where one is given (the statistics are not)."""
+
+    def loss(p, b, r):
+        total, stats = summed_loss(model, p, b, cfg.z_loss, r)
+        return (total if loss_scale is None else total * loss_scale), stats
+
+    raw_grad = jax.grad(loss, has_aux=True)
 
     def grad_fn(p, b, r):
         if cfg.grad_dtype == "bfloat16":
@@ -105,7 +142,9 @@ def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-Gradients = Callable[[Any, Batch, "jax.Array | None"], tuple[dict[str, jax.Array], Any]]
+Gradients = Callable[
+    [Any, Batch, "jax.Array | None", "jax.Array | None"], tuple[dict[str, jax.Array], Any]
+]
 
 
 def train_step(
@@ -118,23 +157,26 @@ def train_step(
     batch: Batch,
     rng: jax.Array | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update. `gradients(params, batch, rng)` gives the summed statistics and
-    gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter); `memory` moves
-    offloaded state to the device and back."""
+    """One optimizer update. `gradients(params, batch, rng, loss_scale)` gives the summed
+    statistics and gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter);
+    `memory` moves offloaded state to the device and back. Where the state has a loss scale,
+    the gradients are unscaled with the normalisation, and an overflow skips the update."""
     old_params = memory.params_in(state.params)
     if rng is not None:  # dropout masks are drawn per row, from its index in the global batch
         rows = next(iter(batch.values())).shape[0]
         batch = dict(batch, row_ids=jnp.arange(rows, dtype=jnp.int32))
-    stats, grads = gradients(old_params, batch, rng)
+    scaler = state.loss_scale
+    stats, grads = gradients(old_params, batch, rng, None if scaler is None else scaler.scale)
     scale = 1.0 / stats["weight"] if cfg.loss_normalization == "tokens" else 1.0
-    grads = grad_constraint(jax.tree.map(lambda g: g * scale, grads))
+    unscale = scale if scaler is None else scale / scaler.scale
+    grads = grad_constraint(jax.tree.map(lambda g: g * unscale, grads))
     old_opt, grads = memory.opt_in(state.opt_state, after=grads)
     updates, opt_state = optimizer.update(grads, old_opt, old_params)
     params = optax.apply_updates(old_params, updates)
     grad_norm = optax.tree.norm(grads)
     loss = stats["loss_sum"] * scale
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if cfg.skip_nonfinite:  # keep the old state: one bad batch does not poison the run
+    if cfg.skip_nonfinite or scaler is not None:  # keep the old state: nothing is poisoned
         params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state),
@@ -149,7 +191,15 @@ def train_step(
         "grad_norm": grad_norm,
         "nonfinite": 1 - finite.astype(jnp.int32),
     }
-    return TrainState(state.step + 1, params, opt_state), metrics
+    if scaler is not None:
+        # An overflow is the scale's business (skip, shrink), unless the loss itself is not
+        # finite or the scale is at its floor: then the run has gone bad.
+        bad = ~jnp.isfinite(loss) | (~finite & scaler.at_floor())
+        metrics["nonfinite"] = bad.astype(jnp.int32)
+        metrics["loss_scale"] = scaler.scale  # the scale this step ran with
+        scaler = scaler.after(finite, cfg.loss_scale_period, cfg.loss_scale_factor)
+        metrics["skipped_steps"] = scaler.skipped
+    return TrainState(state.step + 1, params, opt_state, scaler), metrics
 
 
 @dataclasses.dataclass
@@ -186,16 +236,20 @@ class ShardedStep:
             optimizer_shardings(opt_state, params, opt_layout, self.mesh, moment_axes),
             self.parallel.offload,
         )
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        scaled = self.step_cfg.scales_loss(self.model.config.dtype)
+        loss_scale = jax.eval_shape(self._loss_scale) if scaled else None
         # Between steps each part of the state lives where the plan says: device or host.
         self.state_shardings = TrainState(
-            step=NamedSharding(self.mesh, PartitionSpec()),
+            step=replicated,
             params=self.memory.params_home,
             opt_state=self.memory.opt_home,
+            loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
         )
         # The state as sharded ShapeDtypeStructs: what a restore fills in place and a compile
         # ahead of time takes, with nothing allocated.
         self.abstract_state = placed(
-            TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state),
+            TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, loss_scale),
             self.state_shardings,
         )
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
@@ -221,10 +275,14 @@ class ShardedStep:
 
         def init(key):
             params = nn.unbox(init_params(self.model, key))
-            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+            scale = None if self.abstract_state.loss_scale is None else self._loss_scale()
+            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), scale)
 
         with self._context():
             return jax.jit(init, out_shardings=self.state_shardings)(key)
+
+    def _loss_scale(self) -> LossScale:
+        return LossScale.initial(self.step_cfg.loss_scale_initial)
 
     def _context(self) -> contextlib.ExitStack:
         return activation_context(self.mesh, self.parallel)
@@ -232,11 +290,11 @@ class ShardedStep:
     def _constrain_grads(self, grads: Any) -> Any:
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
 
-    def _gradients(self, params: Any, batch: Batch, rng: jax.Array | None):
+    def _gradients(self, params: Any, batch: Batch, rng: jax.Array | None, scale: Any):
         local = functools.partial(loss_and_grads, self.model, self.step_cfg)
         if self.region is None:
-            return local(params, batch, rng)
-        return self.region.grads(local, params, batch, rng)
+            return local(params, batch, rng, scale)
+        return self.region.grads(local, params, batch, rng, scale)
 
     def _jitted(self):
         if self._step is None:
