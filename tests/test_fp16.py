@@ -2,6 +2,7 @@
 another mesh, and accumulation and a pipeline against one device."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +139,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float16_layouts_equal_one_device(float16, batches, layout):
     parallel, microbatches = LAYOUTS[layout]
@@ -151,6 +153,7 @@ def test_float16_layouts_equal_one_device(float16, batches, layout):
     assert rows[-1]["loss_scale"] == 2.0**12 and rows[-1]["skipped_steps"] == 0
 
 
+@pytest.mark.slow
 def test_the_scale_survives_a_checkpoint_and_a_resume_on_another_mesh(float16, batches, tmp_path):
     state = float16.init(jax.random.key(0))
     state, _ = float16(state, batches[0])
@@ -173,3 +176,33 @@ def test_the_scale_survives_a_checkpoint_and_a_resume_on_another_mesh(float16, b
     assert int(after.loss_scale.good_steps) == 8
     # The layouts' float16 tolerance (test_float16_layouts_equal_one_device); measured 5.3e-6.
     np.testing.assert_allclose(float(there["loss"]), float(here["loss"]), rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_a_float16_run_logs_its_scale_and_skipped_steps(tmp_path, capsys):
+    from test_train import TINY_RUN
+
+    from longt5_jax import train
+
+    args = [
+        *TINY_RUN,
+        f"--gin.MODEL_DIR='{tmp_path}'",
+        "--gin.LongT5Config.dtype='float16'",
+        "--gin.RunConfig.train_steps=8",
+        "--gin.OptimizerConfig.total_steps=8",
+        "--gin.StepConfig.loss_scale_initial=65536.0",  # 2^16: the first steps overflow
+    ]
+    assert train.main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss_scale" in r]
+    assert len(rows) == 8 and rows[0]["loss_scale"] == 2.0**16
+    counts = [0.0] + [r["skipped_steps"] for r in rows]  # each row counts its own step
+    for i, (row, after) in enumerate(zip(rows, rows[1:], strict=False)):
+        skipped = counts[i + 1] - counts[i]  # this step's: it halves the next step's scale
+        assert after["loss_scale"] == row["loss_scale"] / 2 ** int(skipped)
+    # Measured: steps 1-4 overflow (2^16 .. 2^13), then the scale holds at 2^12 and the loss
+    # falls; the learning rate logged follows the optimizer's count, which skips left alone.
+    assert rows[-1]["skipped_steps"] == 4 and rows[-1]["loss_scale"] == 2.0**12
+    assert rows[-1]["loss"] < rows[4]["loss"] and rows[4]["learning_rate"] == 0.0
+    out = capsys.readouterr().out
+    assert f"loss scale {rows[-1]['loss_scale']:g} ({rows[-1]['skipped_steps']:g} skipped)" in out

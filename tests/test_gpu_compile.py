@@ -318,6 +318,7 @@ def test_the_float16_step_compiles_for_the_v100(tmp_path):
     """For sm_70 (every kernel's PTX), within the V100's 32 GiB, its matmuls float16 GEMMs."""
     compiled = _v100_step("float16", tmp_path)
     assert compiled.step.mesh.devices.flat[0].compute_capability == "7.0"
+    assert compiled.step.abstract_state.loss_scale is not None  # float16 scales its loss
     assert list(tmp_path.glob("*.sm_7.0_gpu_after_optimizations.txt"))
     ptx = [p.read_text() for p in tmp_path.glob("*.ptx")]
     targets_seen = {line for text in ptx for line in text.splitlines() if line[:8] == ".target "}
@@ -327,6 +328,7 @@ def test_the_float16_step_compiles_for_the_v100(tmp_path):
     assert gemms[("f16", "f16")] >= 30 and not any("bf16" in pair for pair in gemms), gemms
 
 
+@pytest.mark.slow
 def test_xla_runs_bfloat16_matmuls_in_float32_on_the_v100():
     """Why bfloat16 is refused on a V100 (`parallel/devices.check_dtype`): XLA compiles it, but
     converts every GEMM's bfloat16 inputs to float32, so neither half-precision speed is had."""

@@ -5,6 +5,7 @@ equality (every case in both modes measured bitwise equal on the CPU devices; th
 keep one mode each); the deviceless GPU compile shows the device bytes leave.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -31,10 +32,10 @@ PLANS = {
 OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-2), "adafactor": lambda: make_optimizer(ADAFACTOR)}
 
 
-def _run(parallel, optimizer, mode, microbatches=1, grad_dtype="float32", steps=3):
+def _run(parallel, optimizer, mode, microbatches=1, grad_dtype="float32", dtype="float32", steps=3):
     cfg = ParallelConfig(**PLANS[parallel], offload=mode)
     step = ShardedStep(
-        LongT5(CONFIG, runner=cfg.pipeline_schedule()),
+        LongT5(dataclasses.replace(CONFIG, dtype=dtype), runner=cfg.pipeline_schedule()),
         StepConfig(microbatches=microbatches, grad_dtype=grad_dtype),
         OPTIMIZERS[optimizer](),
         make_mesh(cfg),
@@ -52,6 +53,7 @@ def _run(parallel, optimizer, mode, microbatches=1, grad_dtype="float32", steps=
             }
         )
     evaluated = step.evaluate(state.params, _batches(1, seed=1)[0])
+    assert int(metrics.get("skipped_steps", 0)) == 0  # float16: every step updated
     return np.array(losses), jax.tree.map(np.asarray, state.params), kinds, evaluated
 
 
@@ -59,25 +61,40 @@ BOTH = "optimizer,optimizer_and_params"
 # The default run checks both modes; the slow cases one each, the pipelined layout both between
 # its two cases.
 CASES = [
-    pytest.param("dp4_tp2", "adamw", 1, "float32", BOTH),
+    pytest.param("dp4_tp2", "adamw", 1, "float32", BOTH, "float32"),
     pytest.param(
-        "dp2_tp2_pp2", "adafactor", 2, "float32", "optimizer_and_params", marks=pytest.mark.slow
+        "dp2_tp2_pp2",
+        "adafactor",
+        2,
+        "float32",
+        "optimizer_and_params",
+        "float32",
+        marks=pytest.mark.slow,
     ),
-    pytest.param("dp4_tp2", "adafactor", 2, "float32", "optimizer", marks=pytest.mark.slow),
+    pytest.param(
+        "dp4_tp2", "adafactor", 2, "float32", "optimizer", "float32", marks=pytest.mark.slow
+    ),
     # bf16 gradient reduction: both sides reduce in bf16, so they are still equal.
-    pytest.param("dp2_tp2_pp2", "adamw", 2, "bfloat16", "optimizer", marks=pytest.mark.slow),
+    pytest.param(
+        "dp2_tp2_pp2", "adamw", 2, "bfloat16", "optimizer", "float32", marks=pytest.mark.slow
+    ),
+    # float16 with its loss scale (kept on the device) through a pipeline, accumulation, ZeRO-3
+    # and a bf16 gradient reduction.
+    pytest.param("dp2_tp2_pp2", "adamw", 2, "bfloat16", BOTH, "float16", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("parallel, optimizer, microbatches, grad_dtype, modes", CASES)
+@pytest.mark.parametrize("parallel, optimizer, microbatches, grad_dtype, modes, dtype", CASES)
 def test_offloaded_runs_equal_runs_on_the_device(
-    parallel, optimizer, microbatches, grad_dtype, modes
+    parallel, optimizer, microbatches, grad_dtype, modes, dtype
 ):
-    want = _run(parallel, optimizer, "none", microbatches, grad_dtype)
+    want = _run(parallel, optimizer, "none", microbatches, grad_dtype, dtype)
     assert all(k == {"params": {"device"}, "opt_state": {"device"}} for k in want[2])
     for mode in modes.split(","):
         params_kind = "pinned_host" if mode == "optimizer_and_params" else "device"
-        losses, params, kinds, evaluated = _run(parallel, optimizer, mode, microbatches, grad_dtype)
+        losses, params, kinds, evaluated = _run(
+            parallel, optimizer, mode, microbatches, grad_dtype, dtype
+        )
         np.testing.assert_array_equal(losses, want[0])
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want[1]), strict=True):
             np.testing.assert_array_equal(a, b)

@@ -181,6 +181,10 @@ def test_a_run_refuses_bfloat16_on_devices_without_it():
     local.check_dtype("bfloat16", jax.devices()[0])  # the test's CPU devices
     with pytest.raises(ConfigError, match=r"Quadro RTX 6000 \(compute capability 7.5\)"):
         local.check_dtype("bfloat16", _gpu("Quadro RTX 6000", "7.5"))
+    # What the benchmarks compile in for a device: its half precision.
+    assert local.half_dtype(v100) == "float16"
+    assert local.half_dtype(_gpu("NVIDIA A100-SXM4-80GB", "8.0")) == "bfloat16"
+    assert local.half_dtype(jax.devices()[0]) == "bfloat16"
 
 
 @GPU

@@ -37,6 +37,7 @@ from longt5_jax.errors import UsageError
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config
 from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import compile_ahead, cost, flops, hlo, targets
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
@@ -119,7 +120,11 @@ def case_step(args, case: str, devices: list):
     shape, remat) of a case; `args` gives the attention and the target length."""
     model, length, batch, remat = parse_case(case)
     config = LongT5Config.preset(
-        model, args.attention, dtype="bfloat16", remat=remat, attention_kernel=args.attention_kernel
+        model,
+        args.attention,
+        dtype=half_dtype(devices[0]),
+        remat=remat,
+        attention_kernel=args.attention_kernel,
     )
     optimizer = make_optimizer(OptimizerConfig(name="adamw"))
     step = compile_ahead.sharded_step(

@@ -19,6 +19,7 @@ from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
+from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.plan import candidates as cands
 from longt5_jax.plan import compile_ahead, memory_model, targets
 from longt5_jax.plan.shapes import ModelShapes
@@ -85,7 +86,7 @@ def _measure(args, devices) -> list[dict]:
     rows = []
     for key, texts in _grid(args).items():
         model, length, batch = key.split(":")
-        config = LongT5Config.preset(model, args.attention, dtype="bfloat16")
+        config = LongT5Config.preset(model, args.attention, dtype=half_dtype(devices[0]))
         shapes = ModelShapes.of(config, optimizer)
         lengths = (int(length), args.target_length)
         for text in texts:

@@ -26,6 +26,7 @@ from longt5_jax import cli
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.plan import compile_ahead, cost, flops, targets
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
@@ -65,7 +66,8 @@ def _optimizer(name: str):
 
 
 def _compiled_rows(args, devices, cluster, length: int, batch: int, zeros: list[int]) -> list:
-    config = LongT5Config.preset(args.model, args.attention, dtype="bfloat16", remat=args.remat)
+    dtype = half_dtype(devices[0])
+    config = LongT5Config.preset(args.model, args.attention, dtype=dtype, remat=args.remat)
     executed = flops.executed_flops_per_step(config, batch, length, args.target_length, args.remat)
     compute = cost.compute_seconds(executed, cluster.devices, cluster)
     rows = []

@@ -1,11 +1,12 @@
 """Where the HBM traffic and the roofline time of the single-device train step go, by model part.
 
 Each case (model, input length, batch, remat) is the step the training loop runs on one GPU
-(`ShardedStep`: bf16 activations, float32 parameters, AdamW), compiled deviceless for `--target`
-in a process of its own, as `bench device` does: no compiler state or kernel cache carries from
-one case to the next (each process peaks near 1.3 GiB resident, xl at 16k tokens included, and
-takes 12-18 s). Its kernels are costed by `plan/roofline.py` (each max(FLOPs / peak, bytes / HBM
-bandwidth), Pallas Triton kernels at the FLOPs they declare) and reported as:
+(`ShardedStep`: half-precision activations, bf16 or fp16 as the GPU has, float32 parameters, AdamW),
+compiled deviceless for `--target` in a process of its own, as `bench device` does: no compiler
+state or kernel cache carries from one case to the next (each process peaks near 1.3 GiB resident,
+xl at 16k tokens included, and takes 12-18 s). Its kernels are costed by `plan/roofline.py` (each
+max(FLOPs / peak, bytes / HBM bandwidth), Pallas Triton kernels at the FLOPs they declare) and
+reported as:
 
 - HBM bytes per step; roofline seconds and the part of them spent in memory-bound kernels;
 - roofline MFU: the model's analytic FLOPs (`plan.flops`, no recomputation) over peak x roofline
@@ -57,7 +58,7 @@ def _parser() -> cli.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench roofline", description=__doc__.splitlines()[0]
     )
-    device.add_step_arguments(p, CASES, "a100-80gb, h100-80gb or a file", cli.positive)
+    device.add_step_arguments(p, CASES, targets.names_help(), cli.positive)
     p.add_argument("--top", type=cli.positive, default=10, help="groups listed per case")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")

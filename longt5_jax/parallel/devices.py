@@ -39,6 +39,11 @@ def capability(device) -> str:
     return str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else ""
 
 
+def half_dtype(device) -> str:
+    """The half precision a device trains in: bfloat16, float16 on a GPU without it."""
+    return "bfloat16" if has_bfloat16(capability(device)) else "float16"
+
+
 def check_dtype(dtype: str, device) -> None:
     """Refuse a compute dtype the device cannot compute in (bfloat16 before compute capability
     8.0), in one line naming the setting, the device and its capability."""

@@ -143,7 +143,8 @@ class MetricsWriter:
             self._tb.close()
 
 
-# Dense bfloat16 peak FLOP/s per device, by a piece of the device kind's name.
+# Dense half-precision peak FLOP/s per device (bf16; fp16 on a V100, which has no bf16), by a
+# piece of the device kind's name.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "V100": 125e12, "TPU v4": 275e12}
 
 
