@@ -1,12 +1,13 @@
 """Compile the tiny model's train step for every given parallel gin file, deviceless, for 8 nodes
-x 4 A100-80GB with the shipped GPU options (`xla_options.GPU_OPTIONS`): data fills the 32 GPUs,
-2 accumulation microbatches, bf16 gradient reduction, the gin file's pipeline plan. Prints one
-JSON line per file: the layout, its tensor groups' nodes, and the bytes per device by kind.
+x 4 A100-80GB (or `--target NAME`) with the shipped GPU options (`xla_options.GPU_OPTIONS`): data
+fills the 32 GPUs, 2 accumulation microbatches, bf16 gradient reduction, the gin file's pipeline
+plan, in the target's half precision (float16, with its loss scale, on a V100). Prints one JSON
+line per file: the layout, its tensor groups' nodes, the bytes per device by kind, the memory.
 
 Run in its own process by `test_gpu_compile.py`, so that a compiler crash (an XLA CHECK failure
 aborts the process) fails the test naming the file instead of killing the test run.
 
-    python tests/gpu_compile_configs.py configs/parallel/*.gin
+    python tests/gpu_compile_configs.py [--target v100-32gb] configs/parallel/*.gin
 """
 
 import json
@@ -27,10 +28,15 @@ STEP = StepConfig(microbatches=2, grad_dtype="bfloat16")
 
 
 def main(paths: list[str]) -> int:
-    devices = targets.devices(targets.load("a100-80gb"), 8, 4)
+    name = "a100-80gb"
+    if paths[:1] == ["--target"]:
+        name, paths = paths[1], paths[2:]
+    target = targets.load(name)
+    devices = targets.devices(target, 8, 4)
     # Four layers per stack, so that every pipeline plan (up to 4 stages, 2 x 2 circular) divides.
     layers = dict(num_encoder_layers=4, num_decoder_layers=4)
-    config = LongT5Config.preset("tiny", "tglobal", dtype="bfloat16", remat="full", **layers)
+    dtype = target.half_dtype
+    config = LongT5Config.preset("tiny", "tglobal", dtype=dtype, remat="full", **layers)
     for path in paths:
         configuration.parse([path], ["ParallelConfig.data = -1"])
         parallel = configuration.build(ParallelConfig)
@@ -48,6 +54,8 @@ def main(paths: list[str]) -> int:
             "tensor_nodes": tensor_nodes,
             "bytes": hlo.bytes_by_kind(compiled.collectives),
             "memory": compiled.memory().total,
+            "dtype": dtype,
+            "loss_scale": compiled.step.abstract_state.loss_scale is not None,
         }
         print(json.dumps(row), flush=True)
     return 0

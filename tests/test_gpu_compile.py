@@ -74,9 +74,6 @@ def _compile_configs(paths: list[str]) -> subprocess.CompletedProcess:
 def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
     """...with its tensor groups inside a node, and each collective kind carrying at least 5% of
     the bytes within 15% of the analytic model (XLA adds a few small collectives of its own)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import gpu_compile_configs as script
-
     configs = sorted(str(p) for p in (ROOT / "configs" / "parallel").glob("*.gin"))
     # XLA's GPU compiler runs on one core: the configs are shared out to a process per core,
     # those of one tensor degree to the same process, where their kernels (sharded alike) come
@@ -94,9 +91,17 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
     rows = [json.loads(line) for r in runs for line in r.stdout.splitlines() if line[:1] == "{"]
     rows.sort(key=lambda row: configs.index(row["path"]))
     assert [r["path"] for r in rows] == configs and len(rows) >= 9
+    _assert_placed_and_modelled(rows, "bfloat16")
+
+
+def _assert_placed_and_modelled(rows: list[dict], dtype: str) -> None:
+    """Each compiled config's tensor groups inside a node, and each collective kind carrying at
+    least 5% of the bytes within 15% of the analytic model."""
+    import gpu_compile_configs as script
+
     shapes = ModelShapes.of(
         LongT5Config.preset(
-            "tiny", "tglobal", dtype="bfloat16", remat="full", num_encoder_layers=4,
+            "tiny", "tglobal", dtype=dtype, remat="full", num_encoder_layers=4,
             num_decoder_layers=4,
         ),
         optax.adamw(1e-3),
@@ -109,6 +114,23 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
         want = comm_model.by_kind(comm_model.volumes(shapes, layout))
         for kind, (got, model, ratio) in comm_model.compare(row["bytes"], want).items():
             assert ratio is not None and 1 / 1.15 <= ratio <= 1.15, (row["path"], kind, got, model)
+
+
+@pytest.mark.slow  # three compiles for 32 GPUs, ~40 s
+def test_table_1s_configs_compile_in_float16_for_the_v100_cluster():
+    """The shipped configs of Table 1's strategies (32 GPUs) compiled for 8 x 4 V100-32GB: in
+    float16 with the loss scale in the state, within 32 GiB, tensor groups inside a node, and
+    the collective bytes within 15% of the analytic model, as on the A100 cluster."""
+    names = ("dp32_zero2", "dp8_tp4", "dp4_tp4_pp2")
+    configs = [str(ROOT / "configs" / "parallel" / f"{name}.gin") for name in names]
+    run = _compile_configs(["--target", "v100-32gb", *configs])
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line[:1] == "{"]
+    assert [r["path"] for r in rows] == configs
+    for row in rows:
+        assert row["dtype"] == "float16" and row["loss_scale"], row["path"]
+        assert 0 < row["memory"] <= 32 * 2**30
+    _assert_placed_and_modelled(rows, "float16")
 
 
 def test_deviceless_compiles_keep_a_kernel_cache_file_per_process(zero_steps, monkeypatch):
