@@ -2,6 +2,7 @@
 another mesh, and accumulation and a pipeline against one device."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 from test_checkpoint import _Position
 from test_step import _batches
 
+from longt5_jax import configuration
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.model.layers import clamp_float16
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
@@ -19,31 +21,27 @@ from longt5_jax.training.loss_scale import LossScale
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
-# configs/demo.gin's model (its 8k vocabulary cut to what the synthetic rows use) and optimizer.
-DEMO = LongT5Config(
-    vocab_size=256,
-    d_model=64,
-    d_ff=128,
-    num_heads=4,
-    d_kv=16,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    attention="transient-global",
-)
-OPTIMIZER = OptimizerConfig(
-    name="adamw", learning_rate=3e-3, schedule="linear", warmup_steps=5, total_steps=60,
-    grad_clip_norm=1.0,
-)  # fmt: skip
+
+@functools.cache
+def _demo() -> tuple[LongT5Config, OptimizerConfig]:
+    """configs/demo.gin's model (its 8k vocabulary cut to what the synthetic rows use) and
+    optimizer, read from the file."""
+    configuration.parse(["configs/demo.gin"], ["MODEL_DIR = '/unused'"])
+    model = dataclasses.replace(configuration.build(LongT5Config), vocab_size=256)
+    return model, configuration.build(OptimizerConfig)
+
+
 STEPS = 20
 ONE = ParallelConfig(data=1, zero_stage=0)
 
 
 def _step(dtype: str, parallel: ParallelConfig = ONE, microbatches: int = 1) -> ShardedStep:
     devices = jax.devices()[:1] if parallel is ONE else None
+    model, optimizer = _demo()
     return ShardedStep(
-        LongT5(dataclasses.replace(DEMO, dtype=dtype), runner=parallel.pipeline_schedule()),
+        LongT5(dataclasses.replace(model, dtype=dtype), runner=parallel.pipeline_schedule()),
         StepConfig(microbatches=microbatches),
-        make_optimizer(OPTIMIZER),
+        make_optimizer(optimizer),
         make_mesh(parallel, devices),
         parallel,
     )
