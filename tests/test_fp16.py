@@ -65,6 +65,7 @@ def _losses(step: ShardedStep, batches) -> tuple[np.ndarray, list[dict], object]
     return np.array([r["loss"] for r in rows]), rows, state
 
 
+@pytest.mark.slow  # two 20-step runs, ~30 s
 def test_float16_tracks_float32_over_20_demo_steps(float16, batches):
     want, _, _ = _losses(_step("float32"), batches)
     got, rows, state = _losses(float16, batches)

@@ -80,7 +80,15 @@ CASES = [
     ),
     # float16 with its loss scale (kept on the device) through a pipeline, accumulation, ZeRO-3
     # and a bf16 gradient reduction.
-    pytest.param("dp2_tp2_pp2", "adamw", 2, "bfloat16", BOTH, "float16", marks=pytest.mark.slow),
+    pytest.param(
+        "dp2_tp2_pp2",
+        "adamw",
+        2,
+        "bfloat16",
+        "optimizer_and_params",
+        "float16",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
