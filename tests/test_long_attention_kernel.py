@@ -14,7 +14,6 @@ import test_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
-from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config, attention_kernel, relpos
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention
@@ -133,6 +132,31 @@ def test_the_kernels_compile_in_pipeline_stages_and_move_no_more_bytes():
     assert moved["pallas"] == moved["xla"]
 
 
+@pytest.mark.slow  # two compiles of a pipelined, accumulated step, ~30 s
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
+def test_tensor_parallel_kernels_compile_inside_stages_and_accumulation_moving_no_more_bytes():
+    """Tensor 2 x pipeline 2 with 2 accumulation microbatches: the kernels' own region over
+    `tensor` nested in the step's region over the stages, compiled for A100s; the step's
+    collectives are the XLA path's, byte for byte."""
+    devices = targets.devices(targets.load("a100-80gb"), 1, 4)
+    deep = dict(num_encoder_layers=4, num_decoder_layers=4, remat="full")
+    parallel = ParallelConfig(1, 2, 2, 0, pipeline_microbatches=2)
+    steps = {
+        kernel: compile_ahead.compile_for(
+            dataclasses.replace(GPU_CONFIG, attention_kernel=kernel, **deep),
+            parallel,
+            devices,
+            4,
+            (8, 128, 16),
+            StepConfig(microbatches=2),
+        )  # fmt: skip
+        for kernel in ("xla", "pallas")
+    }
+    assert _triton_kernels(steps["pallas"].executable.as_text()) == KERNELS
+    moved = {k: hlo.bytes_by_kind(s.collectives) for k, s in steps.items()}
+    assert moved["pallas"] == moved["xla"]
+
+
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes():
     """Data 2 x tensor 2: each device's kernels see its own rows and heads (a shard_map), so the
@@ -154,17 +178,28 @@ def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes()
     assert moved["pallas"] == moved["xla"]
 
 
-@pytest.mark.parametrize("mesh, dropout", [((2, 2), 0.0), ((4, 1), 0.0), ((2, 2), 0.1)])
-def test_sharded_steps_with_the_kernels_equal_one_device(mesh, dropout):
+# (data, tensor, pipeline, ZeRO stage), accumulation microbatches, attention dropout
+KERNEL_LAYOUTS = [
+    ((2, 2, 1, 1), 1, 0.0),
+    ((4, 1, 1, 1), 1, 0.0),
+    ((2, 2, 1, 1), 1, 0.1),
+    # Tensor parallel kernels inside the step's region: an accumulation loop, pipeline stages.
+    pytest.param((2, 2, 1, 1), 2, 0.0, marks=pytest.mark.slow),
+    pytest.param((2, 2, 2, 3), 1, 0.1, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mesh, microbatches, dropout", KERNEL_LAYOUTS)
+def test_sharded_steps_with_the_kernels_equal_one_device(mesh, microbatches, dropout):
     """SGD steps of the tiny model, kernels interpreted on each device's rows and heads, against
     the XLA path on one device (test_step's batches and tolerance); with dropout, the masks
     follow the rows and heads, not the layout."""
     tiny = LongT5Config.preset("tiny", dropout_rate=dropout)
 
     def run(config, parallel, devices):
-        step = ShardedStep(
-            LongT5(config), StepConfig(), optax.sgd(0.5), make_mesh(parallel, devices), parallel
-        )
+        model = LongT5(config, runner=parallel.pipeline_schedule())
+        step_cfg = StepConfig(microbatches=microbatches)
+        step = ShardedStep(model, step_cfg, optax.sgd(0.5), make_mesh(parallel, devices), parallel)
         state, losses = step.init(jax.random.key(0)), []
         for i, batch in enumerate(test_step._batches(n=2)):
             key = jax.random.fold_in(jax.random.key(7), i) if dropout else None
@@ -174,7 +209,9 @@ def test_sharded_steps_with_the_kernels_equal_one_device(mesh, dropout):
 
     want = run(tiny, ParallelConfig(data=1), jax.devices()[:1])
     pallas = dataclasses.replace(tiny, attention_kernel="pallas")
-    test_step._assert_same(run(pallas, ParallelConfig(*mesh), jax.devices()[:4]), want)
+    parallel = ParallelConfig(*mesh, pipeline_microbatches=2 if mesh[2] > 1 else 0)
+    devices = jax.devices()[: mesh[0] * mesh[1] * mesh[2]]
+    test_step._assert_same(run(pallas, parallel, devices), want)
 
 
 class _DecoderAttention(nn.Module):
@@ -233,15 +270,6 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
     )
     assert len(errors) == (8 if self_attention else 7)  # output, q/k/v/o, x, source (, bias)
     assert max(errors.values()) <= TOLERANCE, errors
-
-
-def test_tensor_parallel_kernels_inside_accumulation_or_stages_are_refused_in_one_line():
-    parallel = ParallelConfig(2, 2, 1, 0)
-    with pytest.raises(UsageError, match="ParallelConfig.tensor > 1 runs without accumulation"):
-        ShardedStep(
-            LongT5(GPU_CONFIG), StepConfig(microbatches=2), optax.sgd(0.1),
-            make_mesh(parallel, jax.devices()[:4]), parallel,
-        )  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["tglobal_packed", "local"])

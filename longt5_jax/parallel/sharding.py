@@ -12,7 +12,6 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.errors import UsageError
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.rules import Use, rules
@@ -100,14 +99,6 @@ def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) 
     output whose logical axes lack `batch` (a shared table's gradient) is summed over the rows'
     devices. `out_axes`: one output's logical axes, or a tuple of them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if interpreted and mesh.manual_axes:
-        # jax's Pallas interpreter evaluates the kernel's jaxpr, which carries no manual axes,
-        # on values that vary over them, and fails; compiled (GPU) kernels are typed properly.
-        raise UsageError(
-            "LongT5Config.attention_kernel='pallas' on CPU (interpreted kernels) runs on plain "
-            "data x tensor meshes only, not inside a pipeline stage or an accumulation loop; "
-            "use 'xla' there"
-        )
     split = _kernel_split(mesh, arrays[0].shape) if not mesh.empty else {}
     if not split:
         return fn(*arrays)
@@ -132,15 +123,25 @@ def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) 
     # Manual over every axis the call may take, split or not: an axis left free inside would
     # share a dimension's sharding with manual ones (which Shardy refuses for remat residuals).
     auto = {name for name in mesh.axis_names if name not in mesh.manual_axes}
-    return jax.shard_map(
+    # Inside the step's region (accumulation, pipeline stages), already manual over `data`, a
+    # typed call would type its remat residuals by every axis they vary over, the region's
+    # included, and Shardy refuses a nested region's operands split over its parent's axes
+    # (jax 0.10's residual specs); so there the call is untyped, and its outputs are typed by
+    # hand as what they are: per-shard values of the region.
+    nested = tuple(mesh.manual_axes)
+    out = jax.shard_map(
         on_shard,
         mesh=mesh,
         in_specs=tuple(spec(a) for a in axes),
         out_specs=tuple(spec(a) for a in outs) if several else spec(out_axes),
         axis_names=auto,
-        # Interpreted (CPU) kernels cannot be typed by manual axes (above); compiled ones are.
-        check_vma=not interpreted,
+        # Interpreted (CPU) kernels cannot be typed by manual axes: jax's Pallas interpreter
+        # loops over them with carries it makes untyped; compiled ones are.
+        check_vma=not interpreted and not nested,
     )(*arrays)
+    if not nested:
+        return out
+    return jax.tree.map(lambda o: jax.lax.pcast(o, nested, to="varying"), out)
 
 
 def _kernel_split(mesh, rows_shape: tuple[int, ...]) -> dict[str, Any]:
