@@ -110,45 +110,36 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
     assert _triton_kernels(compiled.as_text()) == KERNELS
 
 
+STAGED = [
+    # Two pipeline stages (a shard_map manual over the stages) on H100s.
+    ("h100-80gb", ParallelConfig(1, 1, 2, 0, pipeline_microbatches=4), 1),
+    # Tensor 2 x pipeline 2 with 2 accumulation microbatches on A100s: the kernels' own region
+    # over `tensor` nested in the step's region over the stages.
+    pytest.param(
+        "a100-80gb", ParallelConfig(1, 2, 2, 0, pipeline_microbatches=2), 2,
+        marks=pytest.mark.slow,
+    ),
+]  # fmt: skip
+
+
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-def test_the_kernels_compile_in_pipeline_stages_and_move_no_more_bytes():
-    """Two pipeline stages (a shard_map manual over the stages): the kernels run on each
-    stage's rows and the step's collectives are those of the XLA path."""
-    devices = targets.devices(targets.load("h100-80gb"), 1, 2)
+@pytest.mark.parametrize("target, parallel, microbatches", STAGED)
+def test_the_kernels_compile_in_pipeline_stages_and_move_no_more_bytes(
+    target, parallel, microbatches
+):
+    """The kernels run on each stage's rows (and heads) and the step's collectives are those of
+    the XLA path, byte for byte."""
+    gpus = parallel.tensor * parallel.pipeline
+    devices = targets.devices(targets.load(target), 1, gpus)
     deep = dict(num_encoder_layers=4, num_decoder_layers=4, remat="full")
-    parallel = ParallelConfig(1, 1, 2, 0, pipeline_microbatches=4)
     steps = {
         kernel: compile_ahead.compile_for(
             dataclasses.replace(GPU_CONFIG, attention_kernel=kernel, **deep),
             parallel,
             devices,
-            2,
+            gpus,
             (8, 128, 16),
-        )  # fmt: skip
-        for kernel in ("xla", "pallas")
-    }
-    assert _triton_kernels(steps["pallas"].executable.as_text()) == KERNELS
-    moved = {k: hlo.bytes_by_kind(s.collectives) for k, s in steps.items()}
-    assert moved["pallas"] == moved["xla"]
-
-
-@pytest.mark.slow  # two compiles of a pipelined, accumulated step, ~30 s
-@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-def test_tensor_parallel_kernels_compile_inside_stages_and_accumulation_moving_no_more_bytes():
-    """Tensor 2 x pipeline 2 with 2 accumulation microbatches: the kernels' own region over
-    `tensor` nested in the step's region over the stages, compiled for A100s; the step's
-    collectives are the XLA path's, byte for byte."""
-    devices = targets.devices(targets.load("a100-80gb"), 1, 4)
-    deep = dict(num_encoder_layers=4, num_decoder_layers=4, remat="full")
-    parallel = ParallelConfig(1, 2, 2, 0, pipeline_microbatches=2)
-    steps = {
-        kernel: compile_ahead.compile_for(
-            dataclasses.replace(GPU_CONFIG, attention_kernel=kernel, **deep),
-            parallel,
-            devices,
-            4,
-            (8, 128, 16),
-            StepConfig(microbatches=2),
+            StepConfig(microbatches=microbatches),
         )  # fmt: skip
         for kernel in ("xla", "pallas")
     }
