@@ -18,7 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.model.loss import eval_stats, summed_loss
@@ -273,9 +273,11 @@ class ShardedStep:
             return jax.jit(init, out_shardings=self.state_shardings)(key)
 
     def _interprets_kernels(self) -> bool:
-        """Whether the model's Pallas kernels run interpreted (on CPU, the tests' devices)."""
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
-        return self.model.config.attention_kernel == "pallas" and cpu
+        """Whether the model's Pallas kernels run interpreted (on CPU, the tests' devices); on an
+        abstract mesh (shardings only, nothing runs) they do not."""
+        if self.model.config.attention_kernel != "pallas" or isinstance(self.mesh, AbstractMesh):
+            return False
+        return self.mesh.devices.flat[0].platform == "cpu"
 
     def _loss_scale(self) -> LossScale:
         return LossScale.initial(self.step_cfg.loss_scale_initial)
