@@ -39,9 +39,15 @@ def capability(device) -> str:
     return str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else ""
 
 
+def half_precision(compute_capability: str) -> str:
+    """The half precision a GPU of this compute capability trains in: bfloat16, float16 where
+    it has no bfloat16."""
+    return "bfloat16" if has_bfloat16(compute_capability) else "float16"
+
+
 def half_dtype(device) -> str:
-    """The half precision a device trains in: bfloat16, float16 on a GPU without it."""
-    return "bfloat16" if has_bfloat16(capability(device)) else "float16"
+    """The half precision a device trains in (`half_precision` of its capability)."""
+    return half_precision(capability(device))
 
 
 def check_dtype(dtype: str, device) -> None:

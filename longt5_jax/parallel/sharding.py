@@ -10,7 +10,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.parallel.mesh import ParallelConfig
@@ -22,7 +22,7 @@ def activation_context(mesh: Mesh, parallel: ParallelConfig) -> contextlib.ExitS
     trace of a sharded function happens inside this."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
-    interpreted = mesh.devices.flat[0].platform == "cpu"
+    interpreted = kernels_interpreted(mesh)
     stack.enter_context(tiles.placement(functools.partial(kernel_placement, interpreted)))
     stack.enter_context(
         nn.logical_axis_rules(
@@ -90,6 +90,12 @@ def placed(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
     )
+
+
+def kernels_interpreted(mesh: Mesh | AbstractMesh) -> bool:
+    """Whether Pallas kernels run interpreted on `mesh`: on CPU devices (the tests'); an abstract
+    mesh (shardings only) runs nothing."""
+    return not isinstance(mesh, AbstractMesh) and mesh.devices.flat[0].platform == "cpu"
 
 
 def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) -> Any:

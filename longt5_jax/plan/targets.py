@@ -27,7 +27,7 @@ import jax
 from jax.experimental import topologies
 
 from longt5_jax.errors import UsageError
-from longt5_jax.parallel.devices import cpu_devices, has_bfloat16
+from longt5_jax.parallel.devices import cpu_devices, half_precision
 
 SPECS = Path(__file__).parent / "gpu_specs"
 # The CUDA plugin checks the driver when jax starts unless told not to; deviceless there is no
@@ -75,7 +75,7 @@ class Target:
     @property
     def half_dtype(self) -> str:
         """The half-precision dtype of training here: bfloat16, float16 on a GPU without it."""
-        return "bfloat16" if has_bfloat16(self.compute_capability) else "float16"
+        return half_precision(self.compute_capability)
 
     def dtype(self, requested: str | None) -> str:
         """A command's compute dtype: `requested` (its --dtype), by default the half dtype; a

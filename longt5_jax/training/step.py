@@ -18,7 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.model.loss import eval_stats, summed_loss
@@ -27,6 +27,7 @@ from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
 from longt5_jax.parallel.sharding import (
     activation_context,
+    kernels_interpreted,
     optimizer_shardings,
     placed,
     tree_shardings,
@@ -250,13 +251,15 @@ class ShardedStep:
         self.region = None
         if self.step_cfg.microbatches > 1 or self.parallel.pipeline > 1:
             reduce = jnp.bfloat16 if self.step_cfg.grad_dtype == "bfloat16" else jnp.float32
+            pallas = self.model.config.attention_kernel == "pallas"
             self.region = ShardRegion(
                 self.mesh,
                 self.param_shardings,
                 self.grad_shardings,
                 self.parallel.pipeline_schedule(),
                 reduce,
-                typed=not self._interprets_kernels(),
+                # Interpreted kernels cannot run typed (region.py).
+                typed=not (pallas and kernels_interpreted(self.mesh)),
             )
         offloaded = self.param_shardings if self.memory.params_offloaded else None
         self.evaluate = Evaluator(self.model, self.mesh, self.parallel, self.region, offloaded)
@@ -271,13 +274,6 @@ class ShardedStep:
 
         with self._context():
             return jax.jit(init, out_shardings=self.state_shardings)(key)
-
-    def _interprets_kernels(self) -> bool:
-        """Whether the model's Pallas kernels run interpreted (on CPU, the tests' devices); on an
-        abstract mesh (shardings only, nothing runs) they do not."""
-        if self.model.config.attention_kernel != "pallas" or isinstance(self.mesh, AbstractMesh):
-            return False
-        return self.mesh.devices.flat[0].platform == "cpu"
 
     def _loss_scale(self) -> LossScale:
         return LossScale.initial(self.step_cfg.loss_scale_initial)
