@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
-# dependencies importable, within BUDGET seconds (default 540):
+# dependencies importable, within BUDGET seconds (default 540), most important first:
 #   1. bench kernels: each kernel family against the XLA path (forward and every gradient,
 #      float32 and bfloat16) and the layer's time under several Triton launch settings;
+#      with BASELINE (a folder holding another version's longt5_jax package), that version's
+#      kernels timed on the same cases, in the same session;
 #   2. bench device: the train step with the kernels (launched with the fastest setting of 1)
-#      and with XLA's attention, case by case over CASES;
-#   3. transformers' step on the first case, and a profile of the first case with the kernels,
-#      if time is left.
-# Results go to ${GPU_CHECK_OUT:-bench_out/gpu_check}: log.txt (timestamped sections) and each
-# step's JSON. CASES and KERNEL_CASES override the cases.
+#      and with XLA's attention, case by case over CASES (the first two are the goal cases);
+#   3. transformers' step on the first case (after the two goal cases), then the remaining
+#      cases and a profiler trace of the first case's step (kernel by kernel), if time is left.
+# (Nsight Compute 2025.3 crashed profiling the JAX process on an H100: segmentation fault, and
+# its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
+# occupancy of each kernel from the profiler's trace instead.)
+# Results go to ${GPU_CHECK_OUT:-bench_out/gpu_check}: log.txt (timestamped sections), each
+# benchmark's JSON, and gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, LAUNCHES override.
 set -uo pipefail
 out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 cases="${CASES:-base:16384:2:full xl:4096:1:full large:4096:4:full base:4096:4:none xl:16384:1:full}"
-kernel_cases="${KERNEL_CASES:-base:decoder:4096:2:padded base:tglobal:16384:2:padded xl:local:4096:1:packed}"
+kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed base:decoder:4096:2:padded}"
+# 4 warps do not compile the encoder's backward (a boolean tile staged through shared memory).
+launches="${LAUNCHES:-encoder_*=8:2}"
 budget="${BUDGET:-540}"
+baseline="${BASELINE:-}"
 mkdir -p "$out"
+out=$(realpath "$out")
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - start))); }
 section() { echo "=== [$(($(date +%s) - start)) s] $*" | tee -a "$out/log.txt"; }
-# run SECONDS CMD...: at most SECONDS and never past the budget, output into the log.
+# run SECONDS CMD...: at most SECONDS and never past the budget, output into the log. Not
+# through a pipe: a process the command leaves behind would hold it open and stall the run.
 run() {
   local limit=$1
   shift
@@ -27,22 +37,35 @@ run() {
   rest=$(left)
   ((rest < limit)) && limit=$rest
   ((limit < 20)) && { section "skipped (no time left): $*"; return 1; }
-  timeout "$limit" "$@" 2>&1 | tee -a "$out/log.txt"
+  timeout -k 10 "$limit" "$@" >> "$out/log.txt" 2>&1
 }
+pack() { tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"; }
+trap pack EXIT
 
 section "GPU"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$out/log.txt"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$out/log.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv \
+  2>&1 | tee -a "$out/log.txt"
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, jax.devices())" 2>&1 | tee -a "$out/log.txt"
+python3 -c "import longt5_jax.bench.__main__" 2>&1 | tee -a "$out/log.txt" || exit 1
 
 section "bench kernels"
 # shellcheck disable=SC2086
-run 180 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 3 \
-  --cases $kernel_cases --launch "" "encoder_*=8:2" "encoder_*=8:4" "decoder_*=8:3"
+run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace \
+  --cases $kernel_cases --launch "" $launches
 best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_launch') or '')" 2>/dev/null)
 section "fastest launch: '${best}'"
+if [ -n "$baseline" ]; then
+  section "bench kernels, baseline $baseline"
+  # shellcheck disable=SC2086
+  (cd "$baseline" && run 80 python3 -m longt5_jax.bench kernels --out_dir "$out/baseline" \
+    --repeats 5 --cases ${kernel_cases% *})
+fi
 
 first="${cases%% *}"
-# Case by case, kernels then XLA, so that a run cut short by the budget still pairs them.
+second=$(echo "$cases" | awk '{print $2}')
+# Case by case, kernels then XLA, so that a run cut short by the budget still pairs them; the
+# two goal cases, then transformers' step on the first, then the rest.
 for case in $cases; do
   for kernel in pallas xla; do
     section "bench device $case $kernel"
@@ -50,16 +73,18 @@ for case in $cases; do
       --attention_kernel "$kernel" --launch "$best" --out_dir "$out/device_${kernel}_${case//:/_}" \
       --cases "$case"
   done
+  if [ "$case" = "${second:-$first}" ]; then
+    section "transformers on $first"
+    run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 --transformers \
+      --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" --cases "$first"
+  fi
 done
-
-section "transformers on $first"
-run 60 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 --transformers \
-  --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" --cases "$first"
 
 section "profile of $first with the kernels"
 IFS=: read -r model length batch remat <<<"$first"
 run 90 python3 -m longt5_jax.bench profile --preset "$model" --input_length "$length" \
   --batch_size "$batch" --remat "$remat" --dtype bfloat16 --target_length 512 \
   --attention_kernel pallas --top 30 --out_dir "$out/profile"
+find "$out/profile" -name "*.trace.json.gz" -exec cp {} "$out/profile/step.trace.json.gz" \;
 rm -rf "$out/profile/profile_trace" "$out/profile/profile_hlo.txt"
 section "done"

@@ -73,3 +73,18 @@ def test_device_benchmark_refuses_bad_cases_and_a_machine_without_a_gpu(tmp_path
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"error: {device._NO_GPU}"
     assert not (tmp_path / "device.json").exists()
+
+
+def test_device_rows_without_the_deviceless_compile_show_transformers_speedup(capsys):
+    """`--no-deviceless --transformers` (as the GPU check runs it): the GPU's figures and the
+    speed-up over transformers, the deviceless columns blank."""
+    from longt5_jax.bench import device
+
+    gpu = {"step_s": 0.1989, "tokens_per_s": 169895.4, "mfu": 0.1394, "hfu": 0.1857,
+           "memory": {"total": 5414902760}, "allocator_peak": 5414908416}  # fmt: skip
+    row = {"case": "base:16384:2:full", "deviceless": {"error": "not compiled (--no-deviceless)"},
+           "gpu": gpu, "speedup_over_transformers": 4.9577}  # fmt: skip
+    device._print([row])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.split()[:5] == ["base:16384:2:full", "0.199", "169895", "13.9%", "18.6%"]
+    assert "  4.96  (not compiled (--no-deviceless))" in line

@@ -59,6 +59,32 @@ def test_ops_are_named_by_model_path_and_kind():
     assert [r["op"] for r in b["top_ops"]] == ["loop_fusion.3", "gemm_fusion.1"]
 
 
+def test_the_devices_kernels_are_read_by_name_with_their_launch():
+    """A GPU trace as jax 0.11 writes it (the step's kernels inside CUDA graphs, so their
+    `hlo_op` names the graph, not the op): kernels by name over the device's timeline only,
+    per run, a Pallas kernel's declared FLOPs dropped, registers, shared memory, occupancy."""
+    details = "regs:209 static_shared:0 dynamic_shared:139776 grid:2,12,128 occ_pct:12.5"
+    fwd = "encoder_attention_fwd_flops_141733920768"
+    gpu = {"ph": "X", "pid": 1, "args": {"hlo_op": "command_buffer_1"}}
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+            {**gpu, "name": fwd, "ts": 0.0, "dur": 1500.0, "args": {"kernel_details": details}},
+            {**gpu, "name": fwd, "ts": 2000.0, "dur": 1300.0, "args": {"kernel_details": details}},
+            {**gpu, "name": "loop_add_fusion", "ts": 4000.0, "dur": 200.0},
+            {"ph": "X", "pid": 7, "name": "ThunkExecutor::Execute", "ts": 0.0, "dur": 9000.0},
+        ]
+    }
+    rows = profile.device_kernels(trace, runs=2)
+    assert [r["kernel"] for r in rows] == ["encoder_attention_fwd", "loop_add_fusion"]
+    assert rows[0] == {
+        "kernel": "encoder_attention_fwd", "ms": 1.4, "calls": 1.0, "regs": 209,
+        "shared": 139776, "occupancy": 12.5,
+    }  # fmt: skip
+    assert rows[1] == {"kernel": "loop_add_fusion", "ms": 0.1, "calls": 0.5}
+
+
 @pytest.mark.slow
 def test_a_traced_tiny_step_is_broken_down(tmp_path):
     argv = ["--preset", "tiny", "--input_length", "64", "--target_length", "8"]

@@ -18,7 +18,11 @@ from longt5_jax.model import LongT5Config, attention_kernel, relpos
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
-from longt5_jax.model.long_attention import LongSelfAttention, relative_positions_3block
+from longt5_jax.model.long_attention import (
+    LongSelfAttention,
+    global_blocks,
+    relative_positions_3block,
+)
 from longt5_jax.model.transformer import LongT5
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.plan import compile_ahead, hlo, targets
@@ -108,6 +112,56 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
     batch = compile_ahead.abstract_batch(step, 2, 128, 16)
     compiled = step.lower(step.abstract_state, batch, rng if dropout else None).compile()
     assert _triton_kernels(compiled.as_text()) == KERNELS
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_published_size_layer_compiles_for_an_h100(dtype):
+    """A base TGlobal layer (blocks of 128, chunks of 64 side keys) forward and backward,
+    deviceless for an H100: float32 tiles fit its shared memory (at 3 stages the side
+    gradient's kernel asked 264 KiB of 227 and the GPU refused it), and the side table's
+    gradient scatters one sum per distance, not every gathered cotangent (which XLA had fused
+    into the scatter: B*H*N*U*G atomic adds into 12 x 32 entries, 1 ms a layer on an H100)."""
+    b, length = 1, 8192
+    config = LongT5Config.preset("base", "tglobal", attention_kernel="pallas", dtype=dtype)
+    layer = LongSelfAttention(config, True)
+    buckets = relpos.relative_position_bucket(
+        relative_positions_3block(config.block_len), True, config.relpos_buckets,
+        config.relpos_max_distance,
+    )  # fmt: skip
+
+    def loss(params, x, local_table, side_table, seg, pos):
+        blocks = global_blocks(seg, pos, config.global_block_size)
+        bias = relpos.lookup(local_table, buckets)
+        return jnp.sum(layer.apply({"params": params}, x, seg, bias, blocks, side_table))
+
+    device = targets.devices(targets.load("h100-80gb"), 1, 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    table = (config.num_heads, config.relpos_buckets)
+    x = jax.ShapeDtypeStruct((b, length, config.d_model), jnp.dtype(dtype), sharding=sharding)
+    ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=sharding)
+    tables = [jax.ShapeDtypeStruct(table, jnp.float32, sharding=sharding)] * 2
+    params = kernels.layer_problem(dataclasses.replace(config, dtype="float32"), 1, 128, False)[0]
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
+    )
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    # At the matmul precision users run (the tests ask for "highest", which makes the kernels'
+    # float32 matmuls IEEE FMAs: no tensor-core tiles, nothing staged through shared memory).
+    with jax.default_matmul_precision("default"):
+        text = grad.lower(params, x, *tables, ids, ids).compile().as_text()
+    assert _triton_kernels(text) == {k for k in KERNELS if k.startswith("encoder")}
+    # What may flow into a table's gradient: the side table's sums by distance [B, H, 2G], the
+    # local table's bias [H, W, 3W] (its own lookup, fixed in size); not [B, H, N, U, G].
+    w, g = config.block_len, length // config.global_block_size
+    limit = max(b * table[0] * 2 * g, table[0] * w * 3 * w)
+    heads = f"f32[{table[0]},{table[1]}]"
+    scatters = re.findall(rf"^%\S+ \((.*)\) -> {re.escape(heads)} {{", text, re.M)
+    assert scatters, "no fused computation into a bias table"
+    for params_text in scatters:
+        for shape in re.findall(r"\[([\d,]+)\]", params_text):
+            assert np.prod([int(d) for d in shape.split(",")]) <= limit, params_text
 
 
 STAGED = [

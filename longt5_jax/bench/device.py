@@ -267,11 +267,14 @@ def _print(rows: list[dict]) -> None:
         if "error" in g:
             print(f"{r['case']:24} {g['error']}")
             continue
-        if "memory_ratio" not in r:  # the GPU's figures alone
+        if "memory_ratio" not in r:  # the GPU's figures alone (and transformers')
+            vs = r.get("speedup_over_transformers")
             print(
                 f"{r['case']:24} {g['step_s']:7.3f} {g['tokens_per_s']:8.0f} {g['mfu']:6.1%} "
                 f"{g['hfu']:6.1%} {'-':>7} {g['memory']['total'] / gib:7.2f} "
-                f"{g['allocator_peak'] / gib:7.2f}  ({d.get('error', '')})"
+                f"{g['allocator_peak'] / gib:7.2f} {'-':>6} {'-':>7} {'-':>6} "
+                + (f"{vs:6.2f}" if vs else f"{'-':>6}")
+                + f"  ({d.get('error', '')})"
             )
             continue
         print(

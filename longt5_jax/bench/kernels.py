@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longt5_jax import cli
+from longt5_jax.bench import profile
 from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
@@ -228,7 +231,17 @@ def _time(run, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def measure(case: str, repeats: int, launches: list = ((),)) -> dict:
+def _kernel_times(run, runs: int = 3) -> list[dict]:
+    """The device's kernels over `runs` calls of run() (after a warm-up), per call."""
+    run()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(runs):
+                run()
+        return profile.device_kernels(profile.read_trace(Path(trace_dir)), runs)
+
+
+def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False) -> dict:
     model, kind, length, batch, packed = parse_case(case)
     xla = LongT5Config.preset(model, "local" if kind == "decoder" else kind)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
@@ -249,6 +262,11 @@ def measure(case: str, repeats: int, launches: list = ((),)) -> dict:
         if repeats:
             report[f"{name}_seconds"] = _time(
                 lambda c=config: run_layer(c, *problem, "bfloat16", first), repeats
+            )
+    if trace:
+        for name, config in (("xla", xla), ("pallas", pallas)):
+            report[f"{name}_kernels"] = _kernel_times(
+                lambda c=config: run_layer(c, *problem, "bfloat16", first)
             )
     if repeats and len(launches) > 1:
         report["launch_seconds"], report["launch_errors"] = {}, {}
@@ -275,6 +293,9 @@ def _print(report: dict) -> None:
         print(f"{'':32} pallas {seconds * 1e3:8.2f} ms with --launch {launch or '(default)'}")
     for launch, error in report.get("launch_errors", {}).items():
         print(f"{'':32} --launch {launch}: {error}")
+    if "pallas_kernels" in report:
+        print("  the kernels' layer, bf16, forward and backward, by kernel:")
+        profile.print_kernels(report["pallas_kernels"], 12)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +316,9 @@ def _main(argv: list[str]) -> int:
         help="Triton launch settings to time, PATTERN=WARPS:STAGES[,...] each (the first is "
         "checked; '' is the default)",
     )
+    p.add_argument(
+        "--trace", action="store_true", help="time each kernel of both paths (jax.profiler)"
+    )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = p.parse_args(argv)
     for case in args.cases:
@@ -303,7 +327,7 @@ def _main(argv: list[str]) -> int:
         raise UsageError(f"--repeats {args.repeats}: expected >= 0")
     reports = []
     for case in args.cases:
-        reports.append(measure(case, args.repeats, args.launch))
+        reports.append(measure(case, args.repeats, args.launch, args.trace))
         _print(reports[-1])
     best = _best_launch(reports)
     if best is not None:

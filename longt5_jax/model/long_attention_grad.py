@@ -30,10 +30,10 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
         return tiles.dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
-    for c in range(3):
+    for c, part in geo.local_chunks:
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-        keys = tiles.local_key_ids(geo, n, c)
-        dq += grad(keys, *tiles.local_chunk(geo, q, n, c, seg_q, *block_refs))
+        keys = tiles.local_key_ids(geo, n, c, part)
+        dq += grad(keys, *tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs))
     if geo.g:
         gq = side_refs[2][...]
 
@@ -46,20 +46,23 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
 
 
 def _dkv_kernel(geo: tiles.Geometry, *refs):
-    """Local dk, dv of key block m: it is chunk c of query block m + 1 - c."""
+    """Local dk, dv of part p of key block m (one program each): it is part p of chunk c of
+    query block m + 1 - c."""
     (dk_ref, dv_ref), (own, _, drop_refs) = refs[-2:], tiles.split_refs(geo, refs[:-2], 19)
     k_ref, v_ref, sk_ref, bias_ref = own[:4]
     per_query = [own[4 + 5 * c : 9 + 5 * c] for c in range(3)]
-    b, h, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    m, part = i // (geo.w // geo.kb), i % (geo.w // geo.kb)
     k, v, seg_k = k_ref[...], v_ref[...], sk_ref[...]
-    dk = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
-    dv = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
+    dk = jnp.zeros((geo.kb, geo.head_dim), jnp.float32)
+    dv = jnp.zeros((geo.kb, geo.head_dim), jnp.float32)
     for c, (q_ref, do_ref, lse_ref, delta_ref, sq_ref) in enumerate(per_query):
+        n = m + 1 - c
         q, do = q_ref[...], do_ref[...]
-        valid = tiles.local_valid(geo, m + 1 - c, c, sq_ref[...], seg_k)
-        s = tiles.dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
+        valid = tiles.local_valid(geo, n, c, part, sq_ref[...], seg_k)
+        s = tiles.dot(q, k, trans_b=True) + tiles.local_bias(geo, bias_ref, c, part)
         p = tiles.probs(s, valid, lse_ref[...])
-        queries, keys = tiles.query_ids(geo, m + 1 - c), tiles.local_key_ids(geo, m + 1 - c, c)
+        queries, keys = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
         scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
         dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
         ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[...], scale)
@@ -74,23 +77,24 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, bias_ref = own
     h, n = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(n * geo.w, geo.w)
-    for c in range(3):
-        keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w, geo.w)
-        bias = bias_ref[:, c * geo.w : (c + 1) * geo.w]
+    for c, part in geo.local_chunks:
+        keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
+        bias = tiles.local_bias(geo, bias_ref, c, part)
 
-        def one_row(b, acc, keys=keys, bias=bias, c=c):
+        def one_row(b, acc, keys=keys, bias=bias, c=c, part=part):
             q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-            valid = tiles.local_valid(geo, n, c, seg_ref[b, rows], seg_ref[b, keys])
+            valid = tiles.local_valid(geo, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
             p = tiles.probs(
                 tiles.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias, valid, lse_ref[b, h, rows]
             )
             dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
-            queries, key_ids = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c)
+            queries, key_ids = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
             scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
             return acc + tiles.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
-        zeros = jnp.zeros((geo.w, geo.w), jnp.float32)
-        out_ref[:, c * geo.w : (c + 1) * geo.w] = jax.lax.fori_loop(0, geo.batch, one_row, zeros)
+        zeros = jnp.zeros((geo.w, geo.kb), jnp.float32)
+        first = c * geo.w + part * geo.kb
+        out_ref[:, first : first + geo.kb] = jax.lax.fori_loop(0, geo.batch, one_row, zeros)
 
 
 def _side_kernel(geo: tiles.Geometry, *refs):
@@ -115,9 +119,8 @@ def _side_kernel(geo: tiles.Geometry, *refs):
         ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
         dk += tiles.dot(ds.astype(q.dtype).T, q)
         u = jnp.where(gq < 0, 0, gq - gmin_ref[b, n] + 1)
-        onehot = (u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.float32)
-        r = jnp.dot(onehot, ds, precision=jax.lax.Precision.HIGHEST)
-        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = r
+        onehot = (u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.bfloat16)
+        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = tiles.select_sum(onehot, ds)
         return dk, dv
 
     zeros = jnp.zeros((geo.c, geo.head_dim), jnp.float32)
@@ -149,11 +152,16 @@ def backward(geo: tiles.Geometry, res, do):
         dq_shape,
     )(*arrays)
 
+    # One program per part of a key block: per = the parts of a block.
+    per = geo.w // geo.kb
     per_query = [
-        [tiles.tile(geo, 1 - c)] * 2 + [tiles.stat(geo, 1 - c)] * 2 + [tiles.row(geo, 1 - c)]
+        [tiles.tile(geo, 1 - c, per=per)] * 2
+        + [tiles.stat(geo, 1 - c, per=per)] * 2
+        + [tiles.row(geo, 1 - c, per=per)]
         for c in range(3)
     ]
-    specs = [tiles.tile(geo), tiles.tile(geo), tiles.row(geo), tiles.bias_spec(geo)]
+    part = tiles.key_part(geo)
+    specs = [part, part, tiles.key_part(geo, rows=True), tiles.bias_spec(geo)]
     specs, arrays = tiles.with_drop(
         geo, specs + sum(per_query, []), [k, v, seg, bias, *[q, do, lse, delta, seg] * 3], drop
     )
@@ -161,9 +169,9 @@ def backward(geo: tiles.Geometry, res, do):
         functools.partial(_dkv_kernel, geo),
         "encoder_attention_dkv",
         geo.flops(4, 0),
-        grid,
+        (geo.batch, geo.heads, geo.n * per),
         specs,
-        [tiles.tile(geo), tiles.tile(geo)],
+        [part, part],
         [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
     )(*arrays)
 

@@ -53,10 +53,10 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
         jnp.zeros((geo.w,), jnp.float32),
         jnp.zeros((geo.w, geo.head_dim), jnp.float32),
     )
-    for c in range(3):
+    for c, part in geo.local_chunks:
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-        s, valid, _, v = tiles.local_chunk(geo, q, n, c, seg_q, *block_refs)
-        keys = tiles.local_key_ids(geo, n, c)
+        s, valid, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
+        keys = tiles.local_key_ids(geo, n, c, part)
         state = tiles.online(
             state, s, valid, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
         )

@@ -41,7 +41,13 @@ class Geometry:
     g: int  # side keys G (0: Local, or inputs shorter than a global block)
     c: int  # side keys per chunk
     u: int  # one-hot rows for the side bias gradient
+    kb: int  # keys per chunk of a local key block (W / kb chunks a block)
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
+
+    @property
+    def local_chunks(self) -> list[tuple[int, int]]:
+        """(key block c of 0-2, part of it) of a query block's local keys, kb at a time."""
+        return [(c, part) for c in range(3) for part in range(self.w // self.kb)]
 
     @property
     def gp(self) -> int:
@@ -82,7 +88,11 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
     # The global blocks a window of W tokens meets: each has >= global_block tokens, so at most
     # ceil((W - 1) / global_block) + 1 of them, plus row 0 for tokens in none.
     u = max(16, pow2(2 + -(-(w - 1) // global_block)))
-    return Geometry(b, h, k, w, -(-length // w), g, c, u, rate)
+    # A local key block is taken half at a time where W is even: the score tiles are [W, W / 2]
+    # as the side keys' are [W, C], which halves what each thread holds (at W = 128 with [W, W]
+    # tiles every kernel used all 255 registers and spilled; ptxas, sm_90a).
+    kb = w // 2 if w % 2 == 0 else w
+    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, rate)
 
 
 def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
@@ -90,7 +100,7 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
     and lowering keeps the one for the platform compiled for (a deviceless GPU compile on a
     CPU host gets Triton)."""
 
-    def build(interpret: bool):
+    def build(interpret: bool, wide: bool):
         return pl.pallas_call(
             kernel,
             out_shape=out_shape,
@@ -98,13 +108,17 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
             in_specs=in_specs,
             out_specs=out_specs,
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(**_launch_of(name)),
+            compiler_params=plgpu.CompilerParams(**_launch_of(name, wide)),
             name=f"{name}.flops_{flops}",
         )
 
-    return lambda *arrays: jax.lax.platform_dependent(
-        *arrays, cpu=build(True), default=build(False)
-    )
+    def run(*arrays):
+        wide = jnp.dtype(arrays[0].dtype).itemsize >= 4
+        return jax.lax.platform_dependent(
+            *arrays, cpu=build(True, wide), default=build(False, wide)
+        )
+
+    return run
 
 
 # Triton's warps and software-pipelining stages by kernel name (fnmatch patterns, first match
@@ -128,40 +142,54 @@ def launch(settings: tuple[tuple[str, int, int], ...]):
         _LAUNCH.reset(token)
 
 
-def _launch_of(name: str) -> dict:
+def _launch_of(name: str, wide: bool = False) -> dict:
+    """Triton's launch settings of kernel `name`; `wide`: its tiles are float32, which take
+    twice the shared memory per stage (at 3 stages the side gradient's kernel asked 264 KiB,
+    where an H100 has 227), so at most 2 stages."""
     warps, stages = next((w, s) for p, w, s in _LAUNCH.get() if fnmatch.fnmatchcase(name, p))
-    return {"num_warps": warps, "num_stages": stages}
+    return {"num_warps": warps, "num_stages": min(stages, 2) if wide else stages}
 
 
 # -- block specs ------------------------------------------------------------------------------
 
 
-def tile(geo: Geometry, shift: int = 0, order=(0, 1, 2)) -> pl.BlockSpec:
-    """[W, K] of a [B, L, H, K] array at block n + shift (clamped), for grid axes (b, h, n)."""
+def tile(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1) -> pl.BlockSpec:
+    """[W, K] of a [B, L, H, K] array at block n + shift (clamped), for grid axes (b, h, n)
+    (n // per where the grid has `per` programs a block)."""
     last = geo.n - 1
 
     def index(*ids):
         b, h, n = (ids[i] for i in order)
-        return b, jnp.clip(n + shift, 0, last), h, 0
+        return b, jnp.clip(n // per + shift, 0, last), h, 0
 
     return pl.BlockSpec((None, geo.w, None, geo.head_dim), index)
 
 
-def row(geo: Geometry, shift: int = 0, order=(0, 1, 2)) -> pl.BlockSpec:
-    """[W] of a [B, L] array at block n + shift (clamped)."""
+def row(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1) -> pl.BlockSpec:
+    """[W] of a [B, L] array at block n + shift (clamped; n // per as `tile`)."""
     last = geo.n - 1
 
     def index(*ids):
         b, _, n = (ids[i] for i in order)
-        return b, jnp.clip(n + shift, 0, last)
+        return b, jnp.clip(n // per + shift, 0, last)
 
     return pl.BlockSpec((None, geo.w), index)
 
 
-def stat(geo: Geometry, shift: int = 0) -> pl.BlockSpec:
-    """[W] of a [B, H, L] float32 statistic at block n + shift (clamped)."""
+def stat(geo: Geometry, shift: int = 0, per: int = 1) -> pl.BlockSpec:
+    """[W] of a [B, H, L] float32 statistic at block n + shift (clamped; n // per as `tile`)."""
     last = geo.n - 1
-    return pl.BlockSpec((None, None, geo.w), lambda b, h, n: (b, h, jnp.clip(n + shift, 0, last)))
+    return pl.BlockSpec(
+        (None, None, geo.w), lambda b, h, n: (b, h, jnp.clip(n // per + shift, 0, last))
+    )
+
+
+def key_part(geo: Geometry, rows: bool = False) -> pl.BlockSpec:
+    """[kb, K] of a [B, L, H, K] array (or [kb] of a [B, L] one with `rows`): part n of the
+    keys, for grid axes (b, h, n) over the parts."""
+    if rows:
+        return pl.BlockSpec((None, geo.kb), lambda b, h, n: (b, n))
+    return pl.BlockSpec((None, geo.kb, None, geo.head_dim), lambda b, h, n: (b, n, h, 0))
 
 
 def whole() -> pl.BlockSpec:
@@ -181,12 +209,12 @@ def dot(a, b, trans_b=False):
     return jnp.dot(a, b.T if trans_b else b, preferred_element_type=jnp.float32)
 
 
-def local_valid(geo: Geometry, n, c, seg_q, seg_k):
-    """[W, W]: query block n against key block n - 1 + c: in range, same segment, not padding,
-    within the radius."""
-    i = jnp.arange(geo.w)
+def local_valid(geo: Geometry, n, c, part, seg_q, seg_k):
+    """[W, kb]: query block n against part `part` of key block n - 1 + c: in range, same
+    segment, not padding, within the radius."""
+    i, j = jnp.arange(geo.w), part * geo.kb + jnp.arange(geo.kb)
     kblock = n - 1 + c
-    distance = (c - 1) * geo.w + i[None, :] - i[:, None]
+    distance = (c - 1) * geo.w + j[None, :] - i[:, None]
     inside = (kblock >= 0) & (kblock < geo.n) & (n >= 0) & (n < geo.n)
     same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] > 0)
     return same & (distance < geo.w) & (distance > -geo.w) & inside
@@ -202,11 +230,18 @@ def side_terms(geo: Geometry, h, j, seg_q, gq, gseg_ref, sbias_ref, b):
     return bias, valid
 
 
-def local_chunk(geo: Geometry, q, n, c, seg_q, k_ref, v_ref, sk_ref, bias_ref):
-    """(biased scores, validity, keys, values) of query block n against its key block n - 1 + c."""
-    k = k_ref[...]
-    s = dot(q, k, trans_b=True) + bias_ref[:, c * geo.w : (c + 1) * geo.w]
-    return s, local_valid(geo, n, c, seg_q, sk_ref[...]), k, v_ref[...]
+def local_bias(geo: Geometry, bias_ref, c, part):
+    """[W, kb] of the local bias: its columns of part `part` of key block c."""
+    return bias_ref[:, pl.ds(c * geo.w + part * geo.kb, geo.kb)]
+
+
+def local_chunk(geo: Geometry, q, n, c, part, seg_q, k_ref, v_ref, sk_ref, bias_ref):
+    """(biased scores, validity, keys, values) of query block n against part `part` of its key
+    block n - 1 + c."""
+    keys = pl.ds(part * geo.kb, geo.kb)
+    k = k_ref[keys, :]
+    s = dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
+    return s, local_valid(geo, n, c, part, seg_q, sk_ref[keys]), k, v_ref[keys, :]
 
 
 def side_chunk(geo: Geometry, q, j, b, h, seg_q, gq, side_refs):
@@ -216,6 +251,18 @@ def side_chunk(geo: Geometry, q, j, b, h, seg_q, gq, side_refs):
     bias, valid = side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
     k = sk_ref[b, keys, h, :]
     return dot(q, k, trans_b=True) + bias, valid, k, sv_ref[b, keys, h, :]
+
+
+def select_sum(onehot, x):
+    """onehot @ x for a 0/1 bfloat16 `onehot` and float32 `x`, to float32 accuracy on the tensor
+    cores: x split into three bfloat16 terms (8 bits of mantissa each, 24 together), each
+    product exact, summed in float32. An IEEE float32 matmul would run on the CUDA cores' FMAs:
+    in the side gradient's kernel that took more instructions than all its other matmuls."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return dot(onehot, hi) + dot(onehot, mid) + dot(onehot, lo)
 
 
 def probs(s, valid, lse):
@@ -286,9 +333,9 @@ def query_ids(geo: Geometry, n):
     return n * geo.w + jnp.arange(geo.w)
 
 
-def local_key_ids(geo: Geometry, n, c):
-    """Token positions of key block n - 1 + c (the XLA path's n W + x - W)."""
-    return (n - 1 + c) * geo.w + jnp.arange(geo.w)
+def local_key_ids(geo: Geometry, n, c, part):
+    """Token positions of part `part` of key block n - 1 + c (the XLA path's n W + x - W)."""
+    return (n - 1 + c) * geo.w + part * geo.kb + jnp.arange(geo.kb)
 
 
 def side_key_ids(geo: Geometry, j):
