@@ -120,9 +120,9 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
 def test_a_published_size_layer_compiles_for_an_h100(dtype):
     """A base TGlobal layer (blocks of 128, chunks of 64 side keys) forward and backward,
     deviceless for an H100: float32 tiles fit its shared memory (at 3 stages the side
-    gradient's kernel asked 264 KiB of 227 and the GPU refused it), and the side table's
-    gradient scatters one sum per distance, not every gathered cotangent (which XLA had fused
-    into the scatter: B*H*N*U*G atomic adds into 12 x 32 entries, 1 ms a layer on an H100)."""
+    gradient's kernel asked 264 KiB of 227 and the GPU refused it), and no bias table's gradient
+    is a scatter-add (XLA had fused the side table's sums by distance into one: B*H*N*U*G atomic
+    adds into 12 x 32 entries, 1 ms a layer on an H100)."""
     b, length = 1, 8192
     config = LongT5Config.preset("base", "tglobal", attention_kernel="pallas", dtype=dtype)
     layer = LongSelfAttention(config, True)
@@ -149,19 +149,13 @@ def test_a_published_size_layer_compiles_for_an_h100(dtype):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     # At the matmul precision users run (the tests ask for "highest", which makes the kernels'
     # float32 matmuls IEEE FMAs: no tensor-core tiles, nothing staged through shared memory).
-    with jax.default_matmul_precision("default"):
+    # A compile-only program cannot be read back from the persistent cache: not written there.
+    with jax.default_matmul_precision("default"), compile_ahead._persistent_cache(False):
         text = grad.lower(params, x, *tables, ids, ids).compile().as_text()
     assert _triton_kernels(text) == {k for k in KERNELS if k.startswith("encoder")}
-    # What may flow into a table's gradient: the side table's sums by distance [B, H, 2G], the
-    # local table's bias [H, W, 3W] (its own lookup, fixed in size); not [B, H, N, U, G].
-    w, g = config.block_len, length // config.global_block_size
-    limit = max(b * table[0] * 2 * g, table[0] * w * 3 * w)
-    heads = f"f32[{table[0]},{table[1]}]"
-    scatters = re.findall(rf"^%\S+ \((.*)\) -> {re.escape(heads)} {{", text, re.M)
-    assert scatters, "no fused computation into a bias table"
-    for params_text in scatters:
-        for shape in re.findall(r"\[([\d,]+)\]", params_text):
-            assert np.prod([int(d) for d in shape.split(",")]) <= limit, params_text
+    # No scatter-add writes a bias table: each is a sum (a reduction, a one-hot matmul).
+    table_type = re.escape(f"f32[{table[0]},{table[1]}]{{1,0}}")
+    assert not re.search(rf"= {table_type} scatter\(", text)
 
 
 STAGED = [

@@ -54,11 +54,44 @@ class RelposTable(nn.Module):
         )
 
 
+def take_buckets(table_HR: jax.Array, buckets: jax.Array) -> jax.Array:
+    """[H, *buckets.shape]: table[:, buckets].
+
+    The gradient sums each bucket's cotangents as a float32 matmul with the buckets' one-hot
+    (exact: products with 0 and 1). Autodiff of the gather would scatter-add them instead, every
+    position into one of H x buckets entries on atomics: the decoder's 512 x 512 positions took
+    0.9 ms of a base step on an H100; and XLA fused the side table's sums by distance into that
+    scatter, which then added all B*H*N*W*2G gathered values (1 ms a base TGlobal layer at 16k
+    x 2). Of the forms tried, this one moves the fewest HBM bytes (`bench roofline`): a masked
+    reduction over the positions, or three bfloat16 products, moved more.
+    """
+    return _take_buckets(table_HR.shape[1], table_HR, buckets)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _take_buckets(num_buckets: int, table_HR: jax.Array, buckets: jax.Array) -> jax.Array:
+    return jnp.take(table_HR, buckets, axis=1)
+
+
+def _take_buckets_fwd(num_buckets, table_HR, buckets):
+    return _take_buckets(num_buckets, table_HR, buckets), (buckets, table_HR.dtype.type(0))
+
+
+def _take_buckets_bwd(num_buckets, res, cotangent):
+    buckets, zero = res
+    onehot_PR = (buckets.reshape(-1, 1) == jnp.arange(num_buckets)).astype(jnp.float32)
+    cotangent_HP = cotangent.reshape(cotangent.shape[0], -1).astype(jnp.float32)
+    d_table = jnp.dot(cotangent_HP, onehot_PR, precision=jax.lax.Precision.HIGHEST)
+    return d_table.astype(zero.dtype), None
+
+
+_take_buckets.defvjp(_take_buckets_fwd, _take_buckets_bwd)
+
+
 def lookup(table_HR: jax.Array, buckets: jax.Array, heads_axis: int = -3) -> jax.Array:
     """table[:, buckets] with the heads axis moved to `heads_axis` (default: just before the last
     two bucket axes)."""
-    bias = jnp.take(table_HR, buckets, axis=1)  # [H, *buckets.shape]
-    return jnp.moveaxis(bias, 0, heads_axis)
+    return jnp.moveaxis(take_buckets(table_HR, buckets), 0, heads_axis)
 
 
 def by_distance(table_HR: jax.Array, num_globals: int, num_buckets: int, max_distance: int):
@@ -66,7 +99,7 @@ def by_distance(table_HR: jax.Array, num_globals: int, num_buckets: int, max_dis
     none) and a side key g: TGlobal's side bias depends on that alone."""
     distances = jnp.arange(2 * num_globals) - num_globals + 1
     buckets = relative_position_bucket(distances, True, num_buckets, max_distance)
-    return jnp.take(table_HR, buckets, axis=1)
+    return take_buckets(table_HR, buckets)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -98,11 +131,7 @@ def sum_by_distance(cotangent_BHNWG: jax.Array, shift_BNW: jax.Array, cols: int)
     found_BHNWD = jnp.take_along_axis(
         cotangent_BHNWG, index_BNWD[:, None], axis=-1, mode="fill", fill_value=0
     )
-    # The sums are made here, once: without the barrier XLA moves the reduction into the table
-    # gradient's scatter-add that follows (the buckets' `take`), which then adds every one of
-    # the B*H*N*W*2G gathered values into the H*buckets table on atomics (an H100: 1 ms of each
-    # base TGlobal layer at 16k x 2, 6% of the step).
-    return jax.lax.optimization_barrier(found_BHNWD.sum((2, 3)))
+    return found_BHNWD.sum((2, 3))
 
 
 shifted_rows.defvjp(_shifted_rows_fwd, _shifted_rows_bwd)
