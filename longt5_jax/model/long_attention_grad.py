@@ -139,18 +139,10 @@ def backward(geo: tiles.Geometry, res, do):
         side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
         specs, arrays = specs + side_specs, arrays + side_arrays
     specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
-    grid = (geo.batch, geo.heads, geo.n)
-    dq_kernel = functools.partial(_dq_kernel, geo)
-    dq_shape = tiles.out(q.shape, q.dtype, q)
     dq = tiles.call(
-        dq_kernel,
-        "encoder_attention_dq",
-        geo.flops(3, 3),
-        grid,
-        specs,
-        tiles.tile(geo),
-        dq_shape,
-    )(*arrays)
+        functools.partial(_dq_kernel, geo), "encoder_attention_dq", geo.flops(3, 3),
+        (geo.batch, geo.heads, geo.n), specs, tiles.tile(geo), tiles.out(q.shape, q.dtype, q),
+    )(*arrays)  # fmt: skip
 
     # One program per part of a key block: per = the parts of a block.
     per = geo.w // geo.kb

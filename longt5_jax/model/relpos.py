@@ -63,9 +63,16 @@ def take_buckets(table_HR: jax.Array, buckets: jax.Array) -> jax.Array:
     0.9 ms of a base step on an H100; and XLA fused the side table's sums by distance into that
     scatter, which then added all B*H*N*W*2G gathered values (1 ms a base TGlobal layer at 16k
     x 2). Of the forms tried, this one moves the fewest HBM bytes (`bench roofline`): a masked
-    reduction over the positions, or three bfloat16 products, moved more.
+    reduction over the positions, or three bfloat16 products, moved more. A CPU keeps the
+    gather's own gradient: it adds without atomics, and its programs stay as they were (an
+    offloaded run equals the run on the device bitwise; any reformulation there, even the
+    same scatter behind a custom gradient, moved XLA's fusions and one rounding of it).
     """
-    return _take_buckets(table_HR.shape[1], table_HR, buckets)
+    return jax.lax.platform_dependent(
+        table_HR, buckets,
+        cpu=lambda t, b: jnp.take(t, b, axis=1),
+        default=functools.partial(_take_buckets, table_HR.shape[1]),
+    )  # fmt: skip
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
