@@ -88,10 +88,11 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
     # The global blocks a window of W tokens meets: each has >= global_block tokens, so at most
     # ceil((W - 1) / global_block) + 1 of them, plus row 0 for tokens in none.
     u = max(16, pow2(2 + -(-(w - 1) // global_block)))
-    # A local key block is taken half at a time where W is even: the score tiles are [W, W / 2]
-    # as the side keys' are [W, C], which halves what each thread holds (at W = 128 with [W, W]
-    # tiles every kernel used all 255 registers and spilled; ptxas, sm_90a).
-    kb = w // 2 if w % 2 == 0 else w
+    # A local key block is taken half at a time where a half is a whole tile (16 keys or more):
+    # the score tiles are [W, W / 2] as the side keys' are [W, C], which halves what each thread
+    # holds (at W = 128 with [W, W] tiles every kernel used all 255 registers and spilled;
+    # ptxas, sm_90a).
+    kb = w // 2 if w % 2 == 0 and w >= 32 else w
     return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, rate)
 
 
