@@ -52,7 +52,7 @@ def _dkv_kernel(geo: tiles.Geometry, *refs):
     k_ref, v_ref, sk_ref, bias_ref = own[:4]
     per_query = [own[4 + 5 * c : 9 + 5 * c] for c in range(3)]
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    m, part = i // (geo.w // geo.kb), i % (geo.w // geo.kb)
+    m, part = i // geo.parts, i % geo.parts
     k, v, seg_k = k_ref[...], v_ref[...], sk_ref[...]
     dk = jnp.zeros((geo.kb, geo.head_dim), jnp.float32)
     dv = jnp.zeros((geo.kb, geo.head_dim), jnp.float32)
@@ -93,8 +93,9 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
             return acc + tiles.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
         zeros = jnp.zeros((geo.w, geo.kb), jnp.float32)
-        first = c * geo.w + part * geo.kb
-        out_ref[:, first : first + geo.kb] = jax.lax.fori_loop(0, geo.batch, one_row, zeros)
+        out_ref[:, tiles.local_columns(geo, c, part)] = jax.lax.fori_loop(
+            0, geo.batch, one_row, zeros
+        )
 
 
 def _side_kernel(geo: tiles.Geometry, *refs):
@@ -144,8 +145,8 @@ def backward(geo: tiles.Geometry, res, do):
         (geo.batch, geo.heads, geo.n), specs, tiles.tile(geo), tiles.out(q.shape, q.dtype, q),
     )(*arrays)  # fmt: skip
 
-    # One program per part of a key block: per = the parts of a block.
-    per = geo.w // geo.kb
+    # One program per part of a key block.
+    per = geo.parts
     per_query = [
         [tiles.tile(geo, 1 - c, per=per)] * 2
         + [tiles.stat(geo, 1 - c, per=per)] * 2

@@ -45,9 +45,14 @@ class Geometry:
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
 
     @property
+    def parts(self) -> int:
+        """Parts of kb keys a local key block is taken in."""
+        return self.w // self.kb
+
+    @property
     def local_chunks(self) -> list[tuple[int, int]]:
         """(key block c of 0-2, part of it) of a query block's local keys, kb at a time."""
-        return [(c, part) for c in range(3) for part in range(self.w // self.kb)]
+        return [(c, part) for c in range(3) for part in range(self.parts)]
 
     @property
     def gp(self) -> int:
@@ -231,9 +236,14 @@ def side_terms(geo: Geometry, h, j, seg_q, gq, gseg_ref, sbias_ref, b):
     return bias, valid
 
 
+def local_columns(geo: Geometry, c, part):
+    """The columns of part `part` of key block c in a [W, 3W] local bias (or its gradient)."""
+    return pl.ds(c * geo.w + part * geo.kb, geo.kb)
+
+
 def local_bias(geo: Geometry, bias_ref, c, part):
     """[W, kb] of the local bias: its columns of part `part` of key block c."""
-    return bias_ref[:, pl.ds(c * geo.w + part * geo.kb, geo.kb)]
+    return bias_ref[:, local_columns(geo, c, part)]
 
 
 def local_chunk(geo: Geometry, q, n, c, part, seg_q, k_ref, v_ref, sk_ref, bias_ref):

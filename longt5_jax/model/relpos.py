@@ -81,15 +81,14 @@ def _take_buckets(num_buckets: int, table_HR: jax.Array, buckets: jax.Array) -> 
 
 
 def _take_buckets_fwd(num_buckets, table_HR, buckets):
-    return _take_buckets(num_buckets, table_HR, buckets), (buckets, table_HR.dtype.type(0))
+    return _take_buckets(num_buckets, table_HR, buckets), buckets
 
 
-def _take_buckets_bwd(num_buckets, res, cotangent):
-    buckets, zero = res
+def _take_buckets_bwd(num_buckets, buckets, cotangent_HX):
+    """The tables are float32 parameters (`RelposTable`), and so are their cotangents."""
     onehot_PR = (buckets.reshape(-1, 1) == jnp.arange(num_buckets)).astype(jnp.float32)
-    cotangent_HP = cotangent.reshape(cotangent.shape[0], -1).astype(jnp.float32)
-    d_table = jnp.dot(cotangent_HP, onehot_PR, precision=jax.lax.Precision.HIGHEST)
-    return d_table.astype(zero.dtype), None
+    cotangent_HP = cotangent_HX.reshape(cotangent_HX.shape[0], -1)
+    return jnp.dot(cotangent_HP, onehot_PR, precision=jax.lax.Precision.HIGHEST), None
 
 
 _take_buckets.defvjp(_take_buckets_fwd, _take_buckets_bwd)
