@@ -285,3 +285,9 @@ def test_a_bias_tables_gradient_on_a_gpu_is_its_one_hot_sums():
     cpu_text = gpu_grad.trace(table).lower(lowering_platforms=("cpu",)).as_text()
     assert "scatter" not in text and "dot_general" in text
     assert "scatter" in cpu_text  # a CPU keeps the gather's own gradient
+    # A half-precision run's tables are bfloat16 (or float16): so is their gradient.
+    half = jax.tree.map(lambda t: t.astype(jnp.bfloat16), (table, cotangent))
+    assert jax.grad(lambda t: jnp.sum(relpos.lookup(t, buckets) * half[1]))(half[0]).dtype == (
+        jnp.bfloat16
+    )
+    assert "scatter" not in gpu_grad.trace(half[0]).lower(lowering_platforms=("cuda",)).as_text()

@@ -85,10 +85,12 @@ def _take_buckets_fwd(num_buckets, table_HR, buckets):
 
 
 def _take_buckets_bwd(num_buckets, buckets, cotangent_HX):
-    """The tables are float32 parameters (`RelposTable`), and so are their cotangents."""
+    """Summed in float32 whatever the table's dtype (a half-precision run keeps its parameters,
+    these tables included, in bfloat16 or float16): rounded once, into the cotangent's dtype."""
     onehot_PR = (buckets.reshape(-1, 1) == jnp.arange(num_buckets)).astype(jnp.float32)
-    cotangent_HP = cotangent_HX.reshape(cotangent_HX.shape[0], -1)
-    return jnp.dot(cotangent_HP, onehot_PR, precision=jax.lax.Precision.HIGHEST), None
+    cotangent_HP = cotangent_HX.reshape(cotangent_HX.shape[0], -1).astype(jnp.float32)
+    sums_HR = jnp.dot(cotangent_HP, onehot_PR, precision=jax.lax.Precision.HIGHEST)
+    return sums_HR.astype(cotangent_HX.dtype), None
 
 
 _take_buckets.defvjp(_take_buckets_fwd, _take_buckets_bwd)
