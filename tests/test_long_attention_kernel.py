@@ -62,6 +62,38 @@ def test_fused_attention_matches_the_xla_path(case):
     assert max(errors.values()) <= TOLERANCE, errors
 
 
+def test_a_token_in_no_global_block_sees_no_side_key():
+    """A segment shorter than a global block has no global, and its tokens see no side key,
+    also where its id is reused by another run of the row (the kernels' side terms depend on a
+    token's global block alone, `tiles.side_slab`): both paths agree, and the short run's
+    outputs do not move when the globals of the run whose id it reuses do."""
+    xla = LongT5Config.preset(
+        "tiny", "transient-global", local_radius=3, global_block_size=4, num_heads=2
+    )
+    params, inputs, cotangent = kernels.layer_problem(xla, 1, 32, True)
+    seg, pos = np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32)
+    start = 0
+    for run, size in [(1, 16), (2, 8), (1, 3)]:  # the last run: id 1 again, under a block
+        seg[0, start : start + size], pos[0, start : start + size] = run, np.arange(size)
+        start += size
+    blocks = global_blocks(jnp.asarray(seg), jnp.asarray(pos), 4)
+    short = slice(24, 27)
+    assert (np.asarray(blocks.block_ids)[0, short] == -1).all()
+    inputs = {**inputs, "seg": jnp.asarray(seg), "blocks": blocks}
+    cotangent = cotangent * jnp.asarray(seg > 0)[..., None]
+    fused = dataclasses.replace(xla, attention_kernel="pallas")
+    moved = {**inputs, "x": inputs["x"].at[0, :16].add(1.0)}  # run 1's tokens and globals
+    for config in (xla, fused):
+        out = kernels.run_layer(config, params, inputs, cotangent)[0]
+        out_moved = kernels.run_layer(config, params, moved, cotangent)[0]
+        np.testing.assert_array_equal(out[0, short], out_moved[0, short])
+        assert not np.allclose(out[0, :16], out_moved[0, :16])
+    want = kernels.run_layer(xla, params, inputs, cotangent)
+    got = kernels.run_layer(fused, params, inputs, cotangent)
+    errors = kernels.relative_errors(got, want, inputs["seg"][..., None] > 0)
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_the_model_trains_the_same_with_the_kernels(dropout):
     """Loss and every parameter's gradient of a whole (tiny, TGlobal, padded) model, with and

@@ -267,5 +267,10 @@ class LongSelfAttention(nn.Module):
         # and the table does not, and a custom gradient must come back typed as it went in.
         by_distance_BHD = jnp.where(shift_BNW[:, :1, :1] >= 0, by_distance_HD, 0.0)
         bias_BHNWG = relpos.shifted_rows(by_distance_BHD, shift_BNW, num_globals)
+        # A token of a segment shorter than a global block is in none and sees no side key
+        # (only a segment id reused by another run of the row would have matched); padding
+        # keeps the references' mask.
         same_BNWG = seg_BNW[..., None] == blocks.global_segment_ids[:, None, None, :]
+        short_BNW = (shift_BNW == 0) & (seg_BNW > 0)
+        same_BNWG = same_BNWG & ~short_BNW[..., None]
         return bias_BHNWG + jnp.where(same_BNWG, 0.0, MASKED)[:, None]

@@ -23,9 +23,9 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
     q, seg_q, do = q_ref[...], sq_ref[...], do_ref[...]
     lse, delta, rows = lse_ref[...], delta_ref[...], tiles.query_ids(geo, n)
 
-    def grad(keys, s, valid, k, v):
+    def grad(keys, s, k, v):
         scale = tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
-        p = tiles.probs(s, valid, lse)
+        p = tiles.probs(s, None, lse)
         ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta, scale)
         return tiles.dot(ds.astype(k.dtype), k)
 
@@ -33,13 +33,14 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
     for c, part in geo.local_chunks:
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
         keys = tiles.local_key_ids(geo, n, c, part)
-        dq += grad(keys, *tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs))
+        s, k, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
+        dq += grad(keys, s, k, v)
     if geo.g:
-        gq = side_refs[2][...]
+        side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
 
         def chunk(j, dq):
-            scores = tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs)
-            return dq + grad(tiles.side_key_ids(geo, j), *scores)
+            s, k, v = tiles.side_chunk(geo, q, j, b, h, side_rows, side_refs)
+            return dq + grad(tiles.side_key_ids(geo, j), s, k, v)
 
         dq = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, dq)
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -59,9 +60,9 @@ def _dkv_kernel(geo: tiles.Geometry, *refs):
     for c, (q_ref, do_ref, lse_ref, delta_ref, sq_ref) in enumerate(per_query):
         n = m + 1 - c
         q, do = q_ref[...], do_ref[...]
-        valid = tiles.local_valid(geo, n, c, part, sq_ref[...], seg_k)
         s = tiles.dot(q, k, trans_b=True) + tiles.local_bias(geo, bias_ref, c, part)
-        p = tiles.probs(s, valid, lse_ref[...])
+        s = tiles.local_masked(geo, s, n, c, part, sq_ref[...], seg_k)
+        p = tiles.probs(s, None, lse_ref[...])
         queries, keys = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
         scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
         dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
@@ -83,10 +84,9 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
 
         def one_row(b, acc, keys=keys, bias=bias, c=c, part=part):
             q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-            valid = tiles.local_valid(geo, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
-            p = tiles.probs(
-                tiles.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias, valid, lse_ref[b, h, rows]
-            )
+            s = tiles.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias
+            s = tiles.local_masked(geo, s, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
+            p = tiles.probs(s, None, lse_ref[b, h, rows])
             dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
             queries, key_ids = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
             scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
@@ -101,9 +101,9 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
 def _side_kernel(geo: tiles.Geometry, *refs):
     """Side dk, dv of chunk j over every query block, and each block's side bias gradient
     summed over the tokens of each global block ([U, C] per block)."""
-    (dk_ref, dv_ref, r_ref), (own, _, drop_refs) = refs[-3:], tiles.split_refs(geo, refs[:-3], 11)
-    q_ref, do_ref, lse_ref, delta_ref, seg_ref, gq_ref, gmin_ref = own[:7]
-    sk_ref, sv_ref, gseg_ref, sbias_ref = own[7:]
+    (dk_ref, dv_ref, r_ref), (own, _, drop_refs) = refs[-3:], tiles.split_refs(geo, refs[:-3], 9)
+    q_ref, do_ref, lse_ref, delta_ref, gq_ref = own[:5]
+    sk_ref, sv_ref, gseg_ref, sbias_ref = own[5:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = sk_ref[...], sv_ref[...]
 
@@ -111,16 +111,16 @@ def _side_kernel(geo: tiles.Geometry, *refs):
         dk, dv = carry
         rows = pl.ds(n * geo.w, geo.w)
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-        gq = gq_ref[b, rows]
-        bias, valid = tiles.side_terms(geo, h, j, seg_ref[b, rows], gq, gseg_ref, sbias_ref, b)
-        p = tiles.probs(tiles.dot(q, k, trans_b=True) + bias, valid, lse_ref[b, h, rows])
+        side_rows = tiles.side_rows(geo, gq_ref[b, rows], gseg_ref, b)
+        slab = tiles.side_slab(geo, side_rows, j, h, b, gseg_ref, sbias_ref)
+        s = tiles.select_sum(side_rows.onehot, slab, into=tiles.dot(q, k, trans_b=True))
+        p = tiles.probs(s, None, lse_ref[b, h, rows])
         queries, keys = tiles.query_ids(geo, n), tiles.side_key_ids(geo, j)
         scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
         dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
         ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
         dk += tiles.dot(ds.astype(q.dtype).T, q)
-        u = jnp.where(gq < 0, 0, gq - gmin_ref[b, n] + 1)
-        onehot = (u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.bfloat16)
+        onehot = (side_rows.u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.bfloat16)
         r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = tiles.select_sum(onehot, ds)
         return dk, dv
 
@@ -181,18 +181,18 @@ def backward(geo: tiles.Geometry, res, do):
     )(*arrays).sum(1)
     d_side = (None,) * 3
     if geo.g:
-        d_side = _side_backward(geo, q, do, lse, delta, seg, gq, side, drop)
+        d_side = _side_backward(geo, q, do, lse, delta, gq, side, drop)
     return dq, dk, dv, dbias, d_side
 
 
-def _side_backward(geo: tiles.Geometry, q, do, lse, delta, seg, gq, side: tiles.Side, drop):
+def _side_backward(geo: tiles.Geometry, q, do, lse, delta, gq, side: tiles.Side, drop):
     """Side dk, dv and the side bias gradient by distance."""
     gq_BNW = gq.reshape(geo.batch, geo.n, geo.w)
     present = gq_BNW >= 0
     gmin_BN = jnp.where(present.any(-1), jnp.min(jnp.where(present, gq_BNW, geo.g), -1), 0)
     chunk = pl.BlockSpec((None, geo.c, None, geo.head_dim), lambda b, h, j: (b, j, h, 0))
-    specs = [tiles.whole()] * 7 + [chunk, chunk, tiles.whole(), tiles.whole()]
-    arrays = [q, do, lse, delta, seg, gq, gmin_BN.astype(jnp.int32), side.k_BGHK, side.v_BGHK]
+    specs = [tiles.whole()] * 5 + [chunk, chunk, tiles.whole(), tiles.whole()]
+    arrays = [q, do, lse, delta, gq, side.k_BGHK, side.v_BGHK]
     specs, arrays = tiles.with_drop(
         geo, specs, arrays + [side.global_segment_ids, side.bias_HD], drop
     )

@@ -55,24 +55,24 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
     )
     for c, part in geo.local_chunks:
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-        s, valid, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
+        s, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
         keys = tiles.local_key_ids(geo, n, c, part)
         state = tiles.online(
-            state, s, valid, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+            state, s, None, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
         )
     if geo.g:
-        gq = side_refs[2][...]
+        side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
 
         def chunk(j, state):
-            s, valid, _, v = tiles.side_chunk(geo, q, j, b, h, seg_q, gq, side_refs)
+            s, _, v = tiles.side_chunk(geo, q, j, b, h, side_rows, side_refs)
             keys = tiles.side_key_ids(geo, j)
             return tiles.online(
-                state, s, valid, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+                state, s, None, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
             )
 
         state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
     m, l, acc = state
-    seen = l > 0
+    seen = tiles.seen(m)
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
         o_ref.dtype
     )
@@ -225,5 +225,5 @@ def encoder_attention(
         side = None
     if geo.rate:
         drop = tiles.Drop.of(dropout[0], dropout[1], geo.heads)
-    bias = local_bias_HWX.astype(jnp.float32)
+    bias = tiles.within_radius(local_bias_HWX.astype(jnp.float32))
     return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]

@@ -107,7 +107,7 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
     CPU host gets Triton)."""
 
     def build(interpret: bool, wide: bool):
-        return pl.pallas_call(
+        kernel_call = pl.pallas_call(
             kernel,
             out_shape=out_shape,
             grid=grid,
@@ -117,6 +117,15 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
             compiler_params=plgpu.CompilerParams(**_launch_of(name, wide)),
             name=f"{name}.flops_{flops}",
         )
+
+        def traced(*arrays):  # the kernel's body is traced here, for Triton or the interpreter
+            token = _TRITON.set(not interpret)
+            try:
+                return kernel_call(*arrays)
+            finally:
+                _TRITON.reset(token)
+
+        return traced
 
     def run(*arrays):
         wide = jnp.dtype(arrays[0].dtype).itemsize >= 4
@@ -215,25 +224,65 @@ def dot(a, b, trans_b=False):
     return jnp.dot(a, b.T if trans_b else b, preferred_element_type=jnp.float32)
 
 
-def local_valid(geo: Geometry, n, c, part, seg_q, seg_k):
-    """[W, kb]: query block n against part `part` of key block n - 1 + c: in range, same
-    segment, not padding, within the radius."""
-    i, j = jnp.arange(geo.w), part * geo.kb + jnp.arange(geo.kb)
+def local_masked(geo: Geometry, s, n, c, part, seg_q, seg_k):
+    """Scores [W, kb] of query block n against part `part` of key block n - 1 + c, -inf where a
+    key is out of range or of another segment, or the query is padding; a key beyond the
+    radius is NEG already (`within_radius`). Where the query block and the keys are all of one
+    segment (a long input's every block but its last) nothing is masked: the comparisons and
+    selects cost 4-6 instructions an element, as much as the exponential (SASS, sm_90a)."""
     kblock = n - 1 + c
-    distance = (c - 1) * geo.w + j[None, :] - i[:, None]
     inside = (kblock >= 0) & (kblock < geo.n) & (n >= 0) & (n < geo.n)
-    same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] > 0)
-    return same & (distance < geo.w) & (distance > -geo.w) & inside
+    lowest = jnp.minimum(jnp.min(seg_q), jnp.min(seg_k))
+    whole = inside & (lowest > 0) & (lowest == jnp.maximum(jnp.max(seg_q), jnp.max(seg_k)))
+
+    def masked(s):
+        same = (seg_q[:, None] == seg_k[None, :]) & (seg_q[:, None] > 0)
+        return jnp.where(same & inside, s, -jnp.inf)
+
+    return jax.lax.cond(whole, lambda s: s, masked, s)
 
 
-def side_terms(geo: Geometry, h, j, seg_q, gq, gseg_ref, sbias_ref, b):
-    """The side bias [W, C] and validity of chunk j of the side keys for one query block."""
+def within_radius(bias_HWX: jax.Array) -> jax.Array:
+    """The [H, W, 3W] local bias, NEG where key x is beyond the radius of query i (|x - W - i|
+    >= W): the kernels then need no distance mask."""
+    w = bias_HWX.shape[1]
+    distance = jnp.arange(3 * w)[None, :] - w - jnp.arange(w)[:, None]
+    return jnp.where(jnp.abs(distance) < w, bias_HWX, NEG)
+
+
+class SideRows(NamedTuple):
+    """Which global block's row of a [U, C] side slab each query of a block reads: row 0 for
+    queries in none, row u for global block `first` + u - 1 (the blocks a window meets are
+    consecutive, `global_blocks` numbers them along the row)."""
+
+    u: jax.Array  # [W] int32, each query's row
+    onehot: jax.Array  # [W, U] bfloat16
+    first: jax.Array  # scalar int32 (G where no query is in a global block)
+    segments: jax.Array  # [U] int32, the segment of each row's global block (-1: none)
+
+
+def side_rows(geo: Geometry, gq, gseg_ref, b) -> SideRows:
+    present = gq >= 0
+    first = jnp.min(jnp.where(present, gq, geo.g))
+    u = jnp.where(present, gq - first + 1, 0)
+    onehot = (u[:, None] == jnp.arange(geo.u)[None, :]).astype(jnp.bfloat16)
+    blocks = first - 1 + jnp.arange(geo.u)
+    real = (jnp.arange(geo.u) > 0) & (blocks < geo.g)
+    segments = jnp.where(real, gseg_ref[b, jnp.clip(blocks, 0, geo.g - 1)], -1)
+    return SideRows(u, onehot, first, segments)
+
+
+def side_slab(geo: Geometry, rows: SideRows, j, h, b, gseg_ref, sbias_ref):
+    """[U, C] float32: the side bias of each row's global block to side keys chunk j, NEG where
+    their segments differ. A query's bias and mask depend on its global block alone (its own
+    segment is its block's; a query in none sees no side key), so a block's [W, C] terms are
+    onehot @ slab, on the tensor cores (`select_sum`): gathering them per query cost 10
+    instructions an element, a third of the side loop's (SASS, sm_90a)."""
     g = j * geo.c + jnp.arange(geo.c)
-    gseg = gseg_ref[b, pl.ds(j * geo.c, geo.c)]
-    index = jnp.clip(g[None, :] - gq[:, None] - 1 + geo.g, 0, 2 * geo.g - 1)
-    bias = sbias_ref[h, index]
-    valid = (seg_q[:, None] == gseg[None, :]) & (seg_q[:, None] > 0)
-    return bias, valid
+    blocks = rows.first - 1 + jnp.arange(geo.u)
+    index = jnp.clip(g[None, :] - blocks[:, None] - 1 + geo.g, 0, 2 * geo.g - 1)
+    same = rows.segments[:, None] == gseg_ref[b, pl.ds(j * geo.c, geo.c)][None, :]
+    return jnp.where(same, sbias_ref[h, index], NEG)
 
 
 def local_columns(geo: Geometry, c, part):
@@ -247,48 +296,89 @@ def local_bias(geo: Geometry, bias_ref, c, part):
 
 
 def local_chunk(geo: Geometry, q, n, c, part, seg_q, k_ref, v_ref, sk_ref, bias_ref):
-    """(biased scores, validity, keys, values) of query block n against part `part` of its key
+    """(biased and masked scores, keys, values) of query block n against part `part` of its key
     block n - 1 + c."""
     keys = pl.ds(part * geo.kb, geo.kb)
     k = k_ref[keys, :]
     s = dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
-    return s, local_valid(geo, n, c, part, seg_q, sk_ref[keys]), k, v_ref[keys, :]
+    return local_masked(geo, s, n, c, part, seg_q, sk_ref[keys]), k, v_ref[keys, :]
 
 
-def side_chunk(geo: Geometry, q, j, b, h, seg_q, gq, side_refs):
-    """(biased scores, validity, keys, values) of a query block against side keys chunk j."""
+def side_chunk(geo: Geometry, q, j, b, h, rows: SideRows, side_refs):
+    """(biased and masked scores, keys, values) of a query block against side keys chunk j."""
     sk_ref, sv_ref, _, gseg_ref, sbias_ref = side_refs
     keys = pl.ds(j * geo.c, geo.c)
-    bias, valid = side_terms(geo, h, j, seg_q, gq, gseg_ref, sbias_ref, b)
+    slab = side_slab(geo, rows, j, h, b, gseg_ref, sbias_ref)
     k = sk_ref[b, keys, h, :]
-    return dot(q, k, trans_b=True) + bias, valid, k, sv_ref[b, keys, h, :]
+    s = select_sum(rows.onehot, slab, into=dot(q, k, trans_b=True))
+    return s, k, sv_ref[b, keys, h, :]
 
 
-def select_sum(onehot, x):
-    """onehot @ x for a 0/1 bfloat16 `onehot` and float32 `x`, to float32 accuracy on the tensor
-    cores: x split into three bfloat16 terms (8 bits of mantissa each, 24 together), each
-    product exact, summed in float32. An IEEE float32 matmul would run on the CUDA cores' FMAs:
-    in the side gradient's kernel that took more instructions than all its other matmuls."""
+def select_sum(onehot, x, into=None):
+    """onehot @ x (plus `into`) for a 0/1 bfloat16 `onehot` and float32 `x`, to float32
+    accuracy on the tensor cores: x split into three bfloat16 terms (8 bits of mantissa each,
+    24 together), each product exact, summed in float32; each product accumulates into the
+    last (Triton chains them as one accumulator). An IEEE float32 matmul would run on the CUDA
+    cores' FMAs: in the side gradient's kernel that took more instructions than all its other
+    matmuls."""
     hi = x.astype(jnp.bfloat16)
     rest = x - hi.astype(jnp.float32)
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return dot(onehot, hi) + dot(onehot, mid) + dot(onehot, lo)
+    total = dot(onehot, hi) if into is None else into + dot(onehot, hi)
+    return total + dot(onehot, mid) + dot(onehot, lo)
+
+
+# An invalid key's additive score: exact in bfloat16 (so `select_sum` carries it exactly), and
+# any score plus NEG rounds to NEG itself (|score| < 2^76), so beside a valid key its
+# probability is exactly 0. A row's running max stays at NEG (or -inf) only while it has seen
+# no valid key: `seen`.
+NEG = -(2.0**100)
+
+
+def seen(m):
+    """Rows whose running max `m` is a valid key's score."""
+    return m > NEG / 2
+
+
+def exp(x):
+    """e^x as 2^(x log2 e), float32. On a GPU one MUFU.EX2 an element (PTX ex2.approx.ftz, 2
+    ulp; results below 2^-126 flush to 0), where `jnp.exp` lowers to libdevice's expf, 8
+    instructions an element, and `jnp.exp2` to 4 (both with their own range handling; SASS,
+    sm_90a): in the encoder's inner loops the exponentials were a third of all instructions."""
+    x = x * LOG2E
+    if not _TRITON.get():
+        return jnp.exp2(x)
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;",
+        args=[x],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )[0]
+
+
+LOG2E = 1.4426950408889634
+# Whether kernel bodies are being traced for Triton (else for the interpreter): `call` sets it.
+_TRITON: contextvars.ContextVar = contextvars.ContextVar("triton", default=False)
 
 
 def probs(s, valid, lse):
-    return jnp.where(valid, jnp.exp(s - lse[:, None]), 0.0)
+    """Probabilities from the saved log-sum-exp; `valid` None where invalid keys are NEG."""
+    return exp((s if valid is None else jnp.where(valid, s, -jnp.inf)) - lse[:, None])
 
 
 def online(state, s, valid, v, scale=None):
     """One chunk of keys into the running (max, sum, unnormalised output); `scale` is the
-    dropout's (the sum is of the probabilities before it, as the XLA path's)."""
+    dropout's (the sum is of the probabilities before it, as the XLA path's); `valid` None
+    where invalid keys are NEG already."""
     m, l, acc = state
-    s = jnp.where(valid, s, -jnp.inf)
+    if valid is not None:
+        s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(valid, jnp.exp(s - m_safe[:, None]), 0.0)
+    alpha = exp(m - m_safe)
+    p = exp(s - m_safe[:, None])  # 0 where s is -inf
     kept = p if scale is None else p * scale
     acc = acc * alpha[:, None] + dot(kept.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
