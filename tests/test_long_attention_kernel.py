@@ -14,15 +14,11 @@ import test_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
-from longt5_jax.model import LongT5Config, attention_kernel, relpos
+from longt5_jax.model import LongT5Config, attention_kernel
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
-from longt5_jax.model.long_attention import (
-    LongSelfAttention,
-    global_blocks,
-    relative_positions_3block,
-)
+from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
 from longt5_jax.model.transformer import LongT5
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.plan import compile_ahead, hlo, targets
@@ -161,14 +157,10 @@ def test_a_published_size_layer_compiles_for_an_h100():
     dtype = "float32"
     config = LongT5Config.preset("base", "tglobal", attention_kernel="pallas", dtype=dtype)
     layer = LongSelfAttention(config, True)
-    buckets = relpos.relative_position_bucket(
-        relative_positions_3block(config.block_len), True, config.relpos_buckets,
-        config.relpos_max_distance,
-    )  # fmt: skip
 
     def loss(params, x, local_table, side_table, seg, pos):
         blocks = global_blocks(seg, pos, config.global_block_size)
-        bias = relpos.lookup(local_table, buckets)
+        bias = local_bias(config, local_table)
         return jnp.sum(layer.apply({"params": params}, x, seg, bias, blocks, side_table))
 
     device = targets.devices(targets.load("h100-80gb"), 1, 1)[0]
@@ -360,11 +352,8 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case):
 
     def run(config):
         def loss(params, x, local_table, side_table):
-            buckets = relpos.relative_position_bucket(
-                relative_positions_3block(config.block_len), True, 8, 16
-            )
             out = LongSelfAttention(config, False).apply(
-                {"params": params}, x, inputs["seg"], relpos.lookup(local_table, buckets),
+                {"params": params}, x, inputs["seg"], local_bias(config, local_table),
                 inputs["blocks"], side_table, rows, rngs={"dropout": jax.random.key(4)},
             )  # fmt: skip
             return jnp.sum(out * cotangent), out

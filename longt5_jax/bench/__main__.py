@@ -1,5 +1,5 @@
 """python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, kernels, memory,
-offload, pipeline, profile, roofline, scaling, speed, strategy.
+offload, pipeline, profile, roofline, sass, scaling, speed, strategy.
 
 Each benchmark takes --help.
 """
@@ -18,6 +18,7 @@ from longt5_jax.bench import (
     pipeline,
     profile,
     roofline,
+    sass,
     scaling,
     speed,
     strategy,
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "pipeline": pipeline.main,
     "profile": profile.main,
     "roofline": roofline.main,
+    "sass": sass.main,
     "scaling": scaling.main,
     "speed": speed.main,
     "strategy": strategy.main,

@@ -30,14 +30,10 @@ from longt5_jax.bench import profile
 from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
-from longt5_jax.model import LongT5Config, relpos
+from longt5_jax.model import LongT5Config
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention
-from longt5_jax.model.long_attention import (
-    LongSelfAttention,
-    global_blocks,
-    relative_positions_3block,
-)
+from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
 
 CASES = [
     "base:tglobal:4096:2:padded",
@@ -153,6 +149,20 @@ def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0
 def layer_grad(config, kind: str, launch: tuple = ()):
     """(params, inputs, cotangent, x) -> (output, gradients of the parameters, x and the float
     inputs) of an encoder or decoder (`kind`) layer, its kernels launched with `launch`."""
+    grad, wrt = layer_loss_grad(config, kind)
+
+    def run(params, inputs, cotangent, x):
+        tables = {k: inputs[k] for k in wrt}
+        with tiles.launch(launch):
+            return grad(params, x, tables, inputs, cotangent)
+
+    return run
+
+
+@functools.cache
+def layer_loss_grad(config, kind: str):
+    """(jitted (params, x, tables, inputs, cotangent) -> ((loss, output), gradients), the
+    names of the inputs differentiated as `tables`) of an encoder or decoder layer."""
     if kind == "decoder":
         layer = _decoder_attention(config)
 
@@ -165,16 +175,11 @@ def layer_grad(config, kind: str, launch: tuple = ()):
         wrt = ("encoded", "bias")
     else:
         layer = LongSelfAttention(config, True)
-        rel = relative_positions_3block(config.block_len)
-        buckets = relpos.relative_position_bucket(
-            rel, True, config.relpos_buckets, config.relpos_max_distance
-        )
 
         def apply(params, x, inputs):
-            local_bias = relpos.lookup(inputs["local_table"], buckets)
             return layer.apply(
-                {"params": params}, x, inputs["seg"], local_bias, inputs["blocks"],
-                inputs["side_table"],
+                {"params": params}, x, inputs["seg"], local_bias(config, inputs["local_table"]),
+                inputs["blocks"], inputs["side_table"],
             )  # fmt: skip
 
         wrt = ("local_table", "side_table")
@@ -183,14 +188,7 @@ def layer_grad(config, kind: str, launch: tuple = ()):
         out = apply(params, x, {**inputs, **tables})
         return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-
-    def run(params, inputs, cotangent, x):
-        tables = {k: inputs[k] for k in wrt}
-        with tiles.launch(launch):
-            return grad(params, x, tables, inputs, cotangent)
-
-    return run
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)), wrt
 
 
 def run_layer(config, params, inputs, cotangent, dtype="float32", launch=()):

@@ -8,8 +8,9 @@ load [W, K] at (b, n, h) is a strided read.
 
 Per program of the forward (grid B x H x N), on chip: the query block [W, K], one key and value
 block [W, K] at a time (blocks n-1, n, n+1; the window is |i - j| < W), the [W, W] slice of the
-local bias, then the side keys and values C at a time with their [W, C] bias gathered from the
-[H, 2G] side table by distance; one online softmax over all of them. HBM per program: q, the
+local bias, then the side keys and values C at a time with their [W, C] bias and mask as a
+one-hot matmul (`tiles.side_slab`: a query's side terms depend on its global block alone); one
+online softmax over all of them, invalid keys an additive NEG or -inf. HBM per program: q, the
 three k and v blocks, G side k and v rows (from L2 after the first head), the output and a [W]
 log-sum-exp. The backward recomputes the probabilities from that log-sum-exp (FlashAttention-2):
 dq by query block; local dk, dv by key block (its three query blocks); side dk, dv by chunk of
@@ -203,7 +204,8 @@ def encoder_attention(
     dropout: tuple[jax.Array, jax.Array, float] | None = None,
 ) -> jax.Array:
     """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows); under a
-    mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`). `dropout`:
+    mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`). The local bias
+    is NEG beyond the radius (`long_attention.local_bias`). `dropout`:
     (the layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
@@ -225,5 +227,5 @@ def encoder_attention(
         side = None
     if geo.rate:
         drop = tiles.Drop.of(dropout[0], dropout[1], geo.heads)
-    bias = tiles.within_radius(local_bias_HWX.astype(jnp.float32))
+    bias = local_bias_HWX.astype(jnp.float32)
     return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]

@@ -22,11 +22,7 @@ from longt5_jax.model.layers import (
     RMSNorm,
     truncated_normal_fan_in,
 )
-from longt5_jax.model.long_attention import (
-    GlobalBlocks,
-    global_blocks,
-    relative_positions_3block,
-)
+from longt5_jax.model.long_attention import GlobalBlocks, global_blocks, local_bias
 
 
 class EncoderRowInputs(NamedTuple):
@@ -87,10 +83,7 @@ class Encoder(nn.Module):
     ) -> jax.Array:
         c = self.config
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
-        buckets = relpos.relative_position_bucket(
-            relative_positions_3block(c.block_len), True, c.relpos_buckets, c.relpos_max_distance
-        )
-        local_bias_HWX = relpos.lookup(table_HR, buckets)
+        local_bias_HWX = local_bias(c, table_HR)
         blocks = side_table_HR = None
         if c.attention == "transient-global":
             blocks = global_blocks(segment_ids, positions, c.global_block_size)

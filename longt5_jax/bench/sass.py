@@ -1,0 +1,195 @@
+"""The fused attention kernels' machine code, read deviceless: what each kernel issues.
+
+Each case (`bench kernels`' MODEL:tglobal|local|decoder:LENGTH:BATCH:padded|packed) is one
+attention layer's forward and backward compiled for `--target` (an H100 by default) on this
+machine, without a GPU; every Triton kernel's PTX goes through ptxas (registers, spills) and
+its machine code through nvdisasm. Per kernel: registers, spilled bytes, instructions, and the
+instructions of each loop body by class. A loop body is what a program issues per tile of keys
+(or of queries, in the side and bias gradients): against the tensor-core instructions in it,
+the rest says whether a kernel is issue-bound (on an H100 four warp schedulers issue one
+instruction a cycle each; a 64x64x16 bf16 HGMMA keeps a quarter of the SM's tensor cores busy
+for 32 cycles).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from longt5_jax import cli
+from longt5_jax.bench import kernels
+from longt5_jax.bench.report import write_json
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5Config
+
+CLASSES = (  # (class, opcode prefixes), first match wins
+    ("tensor", ("HGMMA", "HMMA")),
+    ("exp", ("MUFU",)),
+    ("float", ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "F2F", "FCHK")),
+    ("memory", ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LDGSTS", "LDC", "RED", "ATOM")),
+    ("sync", ("BAR", "WARPGROUP", "DEPBAR", "MEMBAR", "FENCE", "LDGDEPBAR", "SYNCS")),
+    ("uniform", ("U",)),
+)
+
+
+def tool(name: str) -> str:
+    """The path of a CUDA tool installed by the `gpu` extra's NVIDIA wheels."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations) if spec else []
+    found = sorted(p for root in roots for p in Path(root).glob(f"*/bin/{name}"))
+    if not found:
+        raise UsageError(f"{name}: not installed (pip install -e '.[gpu]' brings it)")
+    found[0].chmod(found[0].stat().st_mode | 0o111)  # wheels may drop the executable bit
+    return str(found[0])
+
+
+def classify(opcode: str) -> str:
+    return next((c for c, prefixes in CLASSES if opcode.startswith(prefixes)), "other")
+
+
+def read_sass(text: str) -> dict:
+    """{instructions, by_class, loops: [{instructions, by_class, opcodes}]} of one kernel's
+    nvdisasm listing; a loop is the code between a backward branch and its target."""
+    code, labels, pending = [], {}, []
+    for line in text.splitlines():
+        line = line.strip()
+        if m := re.match(r"(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            address, instruction = int(m.group(1), 16), m.group(2)
+            if instruction.startswith("@"):
+                instruction = instruction.split(None, 1)[1]
+            code.append((address, instruction.split()[0], instruction))
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+    loops = []
+    for address, opcode, instruction in code:
+        target = re.search(r"(\.L_x_\d+)", instruction) if opcode.startswith("BRA") else None
+        if target and labels.get(target.group(1), address) < address:
+            body = [op for a, op, _ in code if labels[target.group(1)] <= a <= address]
+            loops.append(_counts(body))
+    return {**_counts([op for _, op, _ in code]), "loops": loops}
+
+
+def _counts(opcodes: list[str]) -> dict:
+    by_class = collections.Counter(classify(op) for op in opcodes)
+    top = collections.Counter(op.split(".")[0] for op in opcodes).most_common(8)
+    return {"instructions": len(opcodes), "by_class": dict(by_class), "opcodes": dict(top)}
+
+
+def read_ptx(path: Path, arch: str, workdir: Path) -> dict:
+    """One kernel's ptxas and nvdisasm reading."""
+    cubin = workdir / (path.stem + ".cubin")
+    run = subprocess.run(
+        [tool("ptxas"), "-v", f"-arch={arch}", str(path), "-o", str(cubin)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    info = run.stderr
+    registers = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    sass = subprocess.run(
+        [tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    return {
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": int(spills.group(1)) if spills else 0,
+        **read_sass(sass),
+    }
+
+
+def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
+    """{kernel name: reading} of the case's layer forward and backward compiled for `target`."""
+    from longt5_jax.plan import compile_ahead, targets
+
+    preset, attention, length, batch, packed = kernels.parse_case(case)
+    kind = "decoder" if attention == "decoder" else "encoder"
+    config = LongT5Config.preset(
+        preset, "local" if attention == "local" else "transient-global",
+        attention_kernel="pallas", dtype=dtype,
+    )  # fmt: skip
+    problem = kernels.decoder_problem if kind == "decoder" else kernels.layer_problem
+    params, inputs, cotangent = problem(config, batch, length, packed)
+    spec = targets.load(target)
+    device = targets.devices(spec, 1, 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    grad, wrt = kernels.layer_loss_grad(config, kind)
+    x = inputs["x"].astype(jnp.dtype(dtype))
+    args = (params, x, {k: inputs[k] for k in wrt}, inputs, cotangent)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
+    )
+    # sm_90a: Hopper's warpgroup matmuls (Triton's, on an H100) are in the "a" variant only.
+    arch = "sm_" + spec.compute_capability.replace(".", "")
+    arch += "a" if arch == "sm_90" else ""
+    with tempfile.TemporaryDirectory() as tmp, compile_ahead._persistent_cache(False):
+        with jax.default_matmul_precision("default"):  # users' precision (tests ask "highest")
+            grad.lower(*abstract).compile(compiler_options={"xla_dump_to": tmp})
+        readings = {}
+        for path in sorted(Path(tmp).glob("*.ptx")):
+            name = re.search(r"\.entry\s+(\w+?)(?:_flops_\d+)?\(", path.read_text())
+            if name and "attention" in name.group(1):
+                readings[name.group(1)] = read_ptx(path, arch, Path(tmp))
+    return readings
+
+
+def _print(case: str, readings: dict, before: dict | None) -> None:
+    print(f"{case}: registers, spilled bytes, instructions; per loop body: instructions "
+          "(tensor / exp / float / memory / other)")  # fmt: skip
+    for name, r in readings.items():
+        old = (before or {}).get(name, {})
+        line = f"  {name:32s} {r['registers']:>4} {r['spill_bytes']:>5} {r['instructions']:>6}"
+        if old:
+            line += f"  (before {old['registers']} / {old['spill_bytes']} / {old['instructions']})"
+        print(line)
+        for i, loop in enumerate(r["loops"]):
+            c = [loop["by_class"].get(k, 0) for k in ("tensor", "exp", "float", "memory")]
+            parts = " / ".join(str(n) for n in [*c, loop["instructions"] - sum(c)])
+            was = old["loops"][i]["instructions"] if i < len(old.get("loops", [])) else None
+            print(f"      loop {i}: {loop['instructions']:>5} ({parts})"
+                  + (f"  before {was}" if was is not None else ""))  # fmt: skip
+
+
+def _load(path: Path) -> dict:
+    """An earlier report of this command: its readings by case."""
+    try:
+        return dict(json.loads(path.read_text())["cases"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"--compare {path}: not a report of bench sass ({e})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    p = cli.ArgumentParser(
+        prog="python -m longt5_jax.bench sass", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--cases", nargs="+", default=kernels.CASES[:1], help=kernels.CASES[0])
+    p.add_argument("--target", default="h100-80gb", help="a100-80gb or h100-80gb")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    args = p.parse_args(argv)
+    for case in args.cases:
+        kernels.parse_case(case)
+    before = _load(args.compare) if args.compare else {}
+    tool("ptxas"), tool("nvdisasm")
+    from longt5_jax.plan import targets
+
+    targets.prepare_environment()
+    cases = {}
+    for case in args.cases:
+        cases[case] = compiled_kernels(case, args.target, args.dtype)
+        _print(case, cases[case], before.get(case))
+    config = {**vars(args), "compare": str(args.compare) if args.compare else None}
+    write_json(args.out_dir, "sass", {"config": config, "cases": cases})
+    return 0
