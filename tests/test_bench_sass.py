@@ -44,13 +44,14 @@ def test_bench_sass_names_what_it_lacks_in_one_line(monkeypatch, capsys):
 @pytest.mark.slow  # a deviceless compile and the CUDA tools, ~15 s
 def test_bench_sass_reads_every_kernel_of_a_compiled_layer(tmp_path, capsys):
     """ptxas and nvdisasm (the gpu extra's) on a tiny TGlobal layer compiled for an H100: every
-    encoder kernel read, with registers and a loop over the side keys in the forward."""
+    encoder kernel read, with registers, and the side gradient's loop over the query blocks
+    with its matmuls and exponentials."""
     assert sass.main(["--cases", "tiny:tglobal:256:1:packed", "--out_dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "sass.json").read_text())
     readings = report["cases"]["tiny:tglobal:256:1:packed"]
     names = {f"encoder_attention_{k}" for k in ("fwd", "dq", "dkv", "dbias", "dside")}
     assert set(readings) == names
     assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in readings.values())
-    [side_loop] = readings["encoder_attention_fwd"]["loops"]
-    assert side_loop["by_class"]["tensor"] >= 2 and side_loop["by_class"]["exp"] >= 1
+    [blocks] = readings["encoder_attention_dside"]["loops"]
+    assert blocks["by_class"]["tensor"] >= 4 and blocks["by_class"]["exp"] >= 1
     assert "encoder_attention_fwd" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
 from longt5_jax.model import LongT5Config, attention_kernel
-from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
@@ -373,13 +373,13 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case):
 
 
 def test_launch_settings_reach_the_triton_calls():
-    """`tiles.launch` sets each kernel's warps and stages by name (first match wins, the rest
+    """`base.launch` sets each kernel's warps and stages by name (first match wins, the rest
     keep `LAUNCH`'s), in the Triton call a GPU compiles."""
     q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
     mask = jnp.ones((1, 64, 64), bool)
 
     def lowered(launch):
-        with tiles.launch(launch):
+        with base.launch(launch):
             step = jax.jit(lambda q: jax.grad(lambda q: attention_kernel.attention(q, q, q, mask)
                                               .astype(jnp.float32).sum())(q))  # fmt: skip
             text = step.trace(q).lower(lowering_platforms=("cuda",)).as_text()

@@ -36,7 +36,7 @@ from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config
-from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model import kernel_base as base
 from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import compile_ahead, cost, flops, hlo, targets
@@ -328,7 +328,7 @@ def _main(argv: list[str]) -> int:
     if args.child:
         run = {"gpu": _on_gpu, "deviceless": _deviceless, "torch": _transformers}[args.child]
         try:
-            with tiles.launch(args.launch):
+            with base.launch(args.launch):
                 report = run(args, args.cases[0])
         except ValueError as e:  # no GPU here, or no compiler for the target
             report = {"error": str(e)}

@@ -31,7 +31,7 @@ from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
-from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
 
@@ -153,7 +153,7 @@ def layer_grad(config, kind: str, launch: tuple = ()):
 
     def run(params, inputs, cotangent, x):
         tables = {k: inputs[k] for k in wrt}
-        with tiles.launch(launch):
+        with base.launch(launch):
             return grad(params, x, tables, inputs, cotangent)
 
     return run

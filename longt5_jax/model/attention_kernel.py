@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model import kernel_base as base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Tiles:
     s: int  # keys, padded to whole tiles
     mask_rows: int  # T, or 1 for a mask shared by every query
     bias: bool
-    rate: float = 0.0  # attention dropout (the kernels then take `tiles.Drop`'s arrays last)
+    rate: float = 0.0  # attention dropout (the kernels then take `base.Drop`'s arrays last)
 
     def flops(self, matmuls: int) -> int:
         return 2 * matmuls * self.batch * self.heads * self.t * self.s * self.head_dim
@@ -57,7 +57,7 @@ def _stat(tl: Tiles) -> pl.BlockSpec:
 
 def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
     """[Q, C] scores (with the bias) and their validity."""
-    s = tiles.dot(q, k, trans_b=True)
+    s = base.dot(q, k, trans_b=True)
     if tl.bias:
         s = s + bias_ref[h, rows, keys]
     mask = mask_ref[b, rows if tl.mask_rows > 1 else pl.ds(0, 1), keys] != 0
@@ -67,7 +67,7 @@ def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
 def _scale(tl: Tiles, drop, b, h, i, j):
     """Dropout's [Q, C] scale of query tile i x key tile j (token positions), or None."""
     queries, keys = i * tl.tq + jnp.arange(tl.tq), j * tl.tk + jnp.arange(tl.tk)
-    return tiles.drop_scale(tl.rate, drop, b, h, queries, keys)
+    return base.drop_scale(tl.rate, drop, b, h, queries, keys)
 
 
 def _kernel(tl: Tiles, body, inputs: int):
@@ -88,7 +88,7 @@ def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref,
         keys = pl.ds(j * tl.tk, tl.tk)
         s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
         scale = _scale(tl, drop, b, h, i, j)
-        return tiles.online(state, s, valid, v_ref[b, keys, h, :], scale)
+        return base.online(state, s, valid, v_ref[b, keys, h, :], scale)
 
     state = (
         jnp.full((tl.tq,), -jnp.inf, jnp.float32),
@@ -112,10 +112,10 @@ def _dq_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
         keys = pl.ds(j * tl.tk, tl.tk)
         k = k_ref[b, keys, h, :]
         s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
-        p = tiles.probs(s, valid, lse)
-        dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
-        ds = tiles.dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
-        return dq + tiles.dot(ds.astype(k.dtype), k)
+        p = base.probs(s, valid, lse)
+        dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
+        ds = base.dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
+        return dq + base.dot(ds.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, jnp.zeros((tl.tq, tl.head_dim), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -131,11 +131,11 @@ def _dkv_kernel(tl: Tiles, drop, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref
         rows = pl.ds(i * tl.tq, tl.tq)
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
         s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
-        p = tiles.probs(s, valid, lse_ref[b, h, rows])
+        p = base.probs(s, valid, lse_ref[b, h, rows])
         scale = _scale(tl, drop, b, h, i, j)
-        dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
-        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
-        return dk + tiles.dot(ds.astype(q.dtype).T, q), dv
+        dv += base.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
+        return dk + base.dot(ds.astype(q.dtype).T, q), dv
 
     zeros = jnp.zeros((tl.tk, tl.head_dim), jnp.float32)
     dk, dv = jax.lax.fori_loop(0, tl.t // tl.tq, chunk, (zeros, zeros))
@@ -152,59 +152,59 @@ def _dbias_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_r
     def one_row(b, acc):
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
         s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
-        p = tiles.probs(s, valid, lse_ref[b, h, rows])
-        dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
+        p = base.probs(s, valid, lse_ref[b, h, rows])
+        dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
         scale = _scale(tl, drop, b, h, i, j)
-        return acc + tiles.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
+        return acc + base.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
     zeros = jnp.zeros((tl.tq, tl.tk), jnp.float32)
     out_ref[...] = jax.lax.fori_loop(0, tl.batch, one_row, zeros)
 
 
 def _forward(tl: Tiles, q, k, v, mask, bias, *drop):
-    whole = tiles.whole()
-    return tiles.call(
+    whole = base.whole()
+    return base.call(
         _kernel(tl, _fwd_kernel, 5),
         "decoder_attention_fwd",
         tl.flops(2),
         (tl.batch, tl.heads, tl.t // tl.tq),
         [_query_tile(tl)] + [whole] * (4 + len(drop)),
         [_query_tile(tl), _stat(tl)],
-        [tiles.out(q.shape, q.dtype, q), tiles.out((tl.batch, tl.heads, tl.t), jnp.float32, q)],
+        [base.out(q.shape, q.dtype, q), base.out((tl.batch, tl.heads, tl.t), jnp.float32, q)],
     )(q, k, v, mask, bias, *drop)
 
 
 def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do, *drop):
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    whole, extra = tiles.whole(), [tiles.whole()] * len(drop)
-    dq = tiles.call(
+    whole, extra = base.whole(), [base.whole()] * len(drop)
+    dq = base.call(
         _kernel(tl, _dq_kernel, 8),
         "decoder_attention_dq",
         tl.flops(3),
         (tl.batch, tl.heads, tl.t // tl.tq),
         [_query_tile(tl), _query_tile(tl), _stat(tl), _stat(tl)] + [whole] * 4 + extra,
         _query_tile(tl),
-        tiles.out(q.shape, q.dtype, q),
+        base.out(q.shape, q.dtype, q),
     )(q, do, lse, delta, k, v, mask, bias, *drop)
-    dk, dv = tiles.call(
+    dk, dv = base.call(
         _kernel(tl, _dkv_kernel, 8),
         "decoder_attention_dkv",
         tl.flops(4),
         (tl.batch, tl.heads, tl.s // tl.tk),
         [_key_tile(tl), _key_tile(tl)] + [whole] * 6 + extra,
         [_key_tile(tl), _key_tile(tl)],
-        [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
+        [base.out(k.shape, k.dtype, q), base.out(v.shape, v.dtype, q)],
     )(k, v, q, do, lse, delta, mask, bias, *drop)
     if not tl.bias:
         return dq, dk, dv
-    dbias = tiles.call(
+    dbias = base.call(
         _kernel(tl, _dbias_kernel, 8),
         "decoder_attention_dbias",
         tl.flops(2),
         (tl.heads, tl.t // tl.tq, tl.s // tl.tk),
         [whole] * 8 + extra,
         pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
-        tiles.out(bias.shape, jnp.float32, q),
+        base.out(bias.shape, jnp.float32, q),
     )(q, do, lse, delta, k, v, mask, bias, *drop)
     return dq, dk, dv, dbias
 
@@ -217,8 +217,8 @@ def _placed(tl: Tiles, call, arrays: list, drop, outs: tuple):
     (the forward and the backward are placed apart, so their residuals are ordinary arrays);
     the bias' gradient lacks `batch` and is summed over the rows' devices."""
     bias = ("heads", None, None) if tl.bias else (None, None, None)
-    axes = [tiles.ROWS] * 3 + [("batch", None, None), bias, tiles.ROWS, _STAT, tiles.ROWS]
-    axes = axes[: len(arrays)] + (tiles.DROP_AXES if drop is not None else [])
+    axes = [base.ROWS] * 3 + [("batch", None, None), bias, base.ROWS, _STAT, base.ROWS]
+    axes = axes[: len(arrays)] + (base.DROP_AXES if drop is not None else [])
 
     def on_shard(*shards):
         return call(dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2]),
@@ -226,21 +226,21 @@ def _placed(tl: Tiles, call, arrays: list, drop, outs: tuple):
 
     outs = tuple(bias if o == "bias" else o for o in outs)
     arrays = arrays + ([] if drop is None else list(drop))
-    return tiles.on_own_rows_and_heads(on_shard, arrays, axes, outs)
+    return base.on_own_rows_and_heads(on_shard, arrays, axes, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(tl, q, k, v, mask, bias, drop):
-    return _placed(tl, _forward, [q, k, v, mask, bias], drop, (tiles.ROWS, _STAT))[0]
+    return _placed(tl, _forward, [q, k, v, mask, bias], drop, (base.ROWS, _STAT))[0]
 
 
 def _attention_fwd(tl, q, k, v, mask, bias, drop):
-    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (tiles.ROWS, _STAT))
+    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (base.ROWS, _STAT))
     return o, (q, k, v, mask, bias, o, lse, drop)
 
 
 def _attention_bwd(tl, res, do):
-    outs = (tiles.ROWS,) * 3 + (("bias",) if tl.bias else ())
+    outs = (base.ROWS,) * 3 + (("bias",) if tl.bias else ())
     *arrays, drop = res
     grads = _placed(tl, _backward, [*arrays, do], drop, outs)
     bias = res[4]
@@ -251,7 +251,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _tile_size(n: int) -> int:
-    return min(64, max(16, tiles.pow2(n)))
+    return min(64, max(16, base.pow2(n)))
 
 
 def attention(
@@ -264,7 +264,7 @@ def attention(
 ) -> jax.Array:
     """[B, T, H, K] softmax(q k + bias, masked) v, in q's dtype (0 for rows that see no key);
     the mask may be shared by the batch ([1, T, S]) or by the queries ([B, 1, S]). Under a mesh,
-    on each device's own rows and heads (`tiles.on_own_rows_and_heads`). `dropout`: (the
+    on each device's own rows and heads (`base.on_own_rows_and_heads`). `dropout`: (the
     layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
     b, t, h, k = q_BTHK.shape
     mask = jnp.broadcast_to(mask_BTS, (b, *mask_BTS.shape[1:]))
@@ -272,12 +272,12 @@ def attention(
     tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
     rows, rate = mask.shape[1], dropout[2] if dropout else 0.0
     tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None, rate)
-    q = tiles.pad(q_BTHK, {1: tp})
-    keys, values = tiles.pad(k_BSHK, {1: sp}), tiles.pad(v_BSHK, {1: sp})
-    mask = tiles.pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
+    q = base.pad(q_BTHK, {1: tp})
+    keys, values = base.pad(k_BSHK, {1: sp}), base.pad(v_BSHK, {1: sp})
+    mask = base.pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
     if bias_HTS is None:
         bias = jnp.zeros((1, 1, 1), jnp.float32)
     else:
-        bias = tiles.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
-    drop = tiles.Drop.of(dropout[0], dropout[1], h) if rate else None
+        bias = base.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
+    drop = base.Drop.of(dropout[0], dropout[1], h) if rate else None
     return _attention(tl, q, keys, values, mask, bias, drop)[:, :t]

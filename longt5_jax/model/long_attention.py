@@ -20,8 +20,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model import long_attention_kernel as kernel
-from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model import relpos
 from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
 from longt5_jax.model.config import LongT5Config
@@ -85,7 +85,7 @@ def local_bias(config, table_HR: jax.Array) -> jax.Array:
         relative, True, config.relpos_buckets, config.relpos_max_distance
     )
     if config.attention_kernel == "pallas":
-        table_HR = jnp.concatenate([table_HR, jnp.full((heads, 1), tiles.NEG, table_HR.dtype)], 1)
+        table_HR = jnp.concatenate([table_HR, jnp.full((heads, 1), base.NEG, table_HR.dtype)], 1)
         buckets = jnp.where(jnp.abs(relative) < w, buckets, r)
     return relpos.lookup(table_HR, buckets)
 

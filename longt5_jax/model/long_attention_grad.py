@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.relpos import sum_by_distance
 
@@ -24,10 +25,10 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
     lse, delta, rows = lse_ref[...], delta_ref[...], tiles.query_ids(geo, n)
 
     def grad(keys, s, k, v):
-        scale = tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
-        p = tiles.probs(s, None, lse)
-        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta, scale)
-        return tiles.dot(ds.astype(k.dtype), k)
+        scale = base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+        p = base.probs(s, None, lse)
+        ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta, scale)
+        return base.dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
     for c, part in geo.local_chunks:
@@ -60,14 +61,14 @@ def _dkv_kernel(geo: tiles.Geometry, *refs):
     for c, (q_ref, do_ref, lse_ref, delta_ref, sq_ref) in enumerate(per_query):
         n = m + 1 - c
         q, do = q_ref[...], do_ref[...]
-        s = tiles.dot(q, k, trans_b=True) + tiles.local_bias(geo, bias_ref, c, part)
+        s = base.dot(q, k, trans_b=True) + tiles.local_bias(geo, bias_ref, c, part)
         s = tiles.local_masked(geo, s, n, c, part, sq_ref[...], seg_k)
-        p = tiles.probs(s, None, lse_ref[...])
+        p = base.probs(s, None, lse_ref[...])
         queries, keys = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
-        scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
-        dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
-        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[...], scale)
-        dk += tiles.dot(ds.astype(q.dtype).T, q)
+        scale = base.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
+        dv += base.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta_ref[...], scale)
+        dk += base.dot(ds.astype(q.dtype).T, q)
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -84,13 +85,13 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
 
         def one_row(b, acc, keys=keys, bias=bias, c=c, part=part):
             q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-            s = tiles.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias
+            s = base.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias
             s = tiles.local_masked(geo, s, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
-            p = tiles.probs(s, None, lse_ref[b, h, rows])
-            dp = tiles.dot(do, v_ref[b, keys, h, :], trans_b=True)
+            p = base.probs(s, None, lse_ref[b, h, rows])
+            dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
             queries, key_ids = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
-            scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
-            return acc + tiles.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
+            scale = base.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
+            return acc + base.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
         zeros = jnp.zeros((geo.w, geo.kb), jnp.float32)
         out_ref[:, tiles.local_columns(geo, c, part)] = jax.lax.fori_loop(
@@ -113,15 +114,15 @@ def _side_kernel(geo: tiles.Geometry, *refs):
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
         side_rows = tiles.side_rows(geo, gq_ref[b, rows], gseg_ref, b)
         slab = tiles.side_slab(geo, side_rows, j, h, b, gseg_ref, sbias_ref)
-        s = tiles.select_sum(side_rows.onehot, slab, into=tiles.dot(q, k, trans_b=True))
-        p = tiles.probs(s, None, lse_ref[b, h, rows])
+        s = base.select_sum(side_rows.onehot, slab, into=base.dot(q, k, trans_b=True))
+        p = base.probs(s, None, lse_ref[b, h, rows])
         queries, keys = tiles.query_ids(geo, n), tiles.side_key_ids(geo, j)
-        scale = tiles.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
-        dv += tiles.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
-        ds = tiles.dropped_grad(p, tiles.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
-        dk += tiles.dot(ds.astype(q.dtype).T, q)
+        scale = base.drop_scale(geo.rate, drop_refs, b, h, queries, keys)
+        dv += base.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
+        dk += base.dot(ds.astype(q.dtype).T, q)
         onehot = (side_rows.u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.bfloat16)
-        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = tiles.select_sum(onehot, ds)
+        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = base.select_sum(onehot, ds)
         return dk, dv
 
     zeros = jnp.zeros((geo.c, geo.head_dim), jnp.float32)
@@ -140,9 +141,9 @@ def backward(geo: tiles.Geometry, res, do):
         side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
         specs, arrays = specs + side_specs, arrays + side_arrays
     specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
-    dq = tiles.call(
+    dq = base.call(
         functools.partial(_dq_kernel, geo), "encoder_attention_dq", geo.flops(3, 3),
-        (geo.batch, geo.heads, geo.n), specs, tiles.tile(geo), tiles.out(q.shape, q.dtype, q),
+        (geo.batch, geo.heads, geo.n), specs, tiles.tile(geo), base.out(q.shape, q.dtype, q),
     )(*arrays)  # fmt: skip
 
     # One program per part of a key block.
@@ -158,26 +159,26 @@ def backward(geo: tiles.Geometry, res, do):
     specs, arrays = tiles.with_drop(
         geo, specs + sum(per_query, []), [k, v, seg, bias, *[q, do, lse, delta, seg] * 3], drop
     )
-    dk, dv = tiles.call(
+    dk, dv = base.call(
         functools.partial(_dkv_kernel, geo),
         "encoder_attention_dkv",
         geo.flops(4, 0),
         (geo.batch, geo.heads, geo.n * per),
         specs,
         [part, part],
-        [tiles.out(k.shape, k.dtype, q), tiles.out(v.shape, v.dtype, q)],
+        [base.out(k.shape, k.dtype, q), base.out(v.shape, v.dtype, q)],
     )(*arrays)
 
-    specs = [tiles.whole()] * 7 + [pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))]
+    specs = [base.whole()] * 7 + [pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))]
     specs, arrays = tiles.with_drop(geo, specs, [q, k, v, do, lse, delta, seg, bias], drop)
-    dbias = tiles.call(
+    dbias = base.call(
         functools.partial(_dbias_kernel, geo),
         "encoder_attention_dbias",
         geo.flops(2, 0),
         (geo.heads, geo.n),
         specs,
         pl.BlockSpec((None, None, geo.w, 3 * geo.w), lambda h, n: (h, n, 0, 0)),
-        tiles.out((geo.heads, geo.n, geo.w, 3 * geo.w), jnp.float32, q),
+        base.out((geo.heads, geo.n, geo.w, 3 * geo.w), jnp.float32, q),
     )(*arrays).sum(1)
     d_side = (None,) * 3
     if geo.g:
@@ -191,22 +192,22 @@ def _side_backward(geo: tiles.Geometry, q, do, lse, delta, gq, side: tiles.Side,
     present = gq_BNW >= 0
     gmin_BN = jnp.where(present.any(-1), jnp.min(jnp.where(present, gq_BNW, geo.g), -1), 0)
     chunk = pl.BlockSpec((None, geo.c, None, geo.head_dim), lambda b, h, j: (b, j, h, 0))
-    specs = [tiles.whole()] * 5 + [chunk, chunk, tiles.whole(), tiles.whole()]
+    specs = [base.whole()] * 5 + [chunk, chunk, base.whole(), base.whole()]
     arrays = [q, do, lse, delta, gq, side.k_BGHK, side.v_BGHK]
     specs, arrays = tiles.with_drop(
         geo, specs, arrays + [side.global_segment_ids, side.bias_HD], drop
     )
-    dk, dv, r = tiles.call(
+    dk, dv, r = base.call(
         functools.partial(_side_kernel, geo),
         "encoder_attention_dside",
         geo.flops(0, 4) + 2 * geo.batch * geo.heads * geo.n * geo.u * geo.w * geo.gp,
         (geo.batch, geo.heads, geo.gp // geo.c),
         specs,
-        [chunk, chunk, tiles.whole()],
+        [chunk, chunk, base.whole()],
         [
-            tiles.out(side.k_BGHK.shape, side.k_BGHK.dtype, q),
-            tiles.out(side.v_BGHK.shape, side.v_BGHK.dtype, q),
-            tiles.out((geo.batch, geo.heads, geo.n, geo.u, geo.gp), jnp.float32, q),
+            base.out(side.k_BGHK.shape, side.k_BGHK.dtype, q),
+            base.out(side.v_BGHK.shape, side.v_BGHK.dtype, q),
+            base.out((geo.batch, geo.heads, geo.n, geo.u, geo.gp), jnp.float32, q),
         ],
     )(*arrays)
     # Row u of block n holds the tokens of global block gmin + u - 1 (row 0: of none), whose

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model import long_attention_grad as grad
 from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.long_attention_tiles import Side
@@ -58,8 +59,8 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
         block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
         s, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
         keys = tiles.local_key_ids(geo, n, c, part)
-        state = tiles.online(
-            state, s, None, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+        state = base.online(
+            state, s, None, v, base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
         )
     if geo.g:
         side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
@@ -67,13 +68,13 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
         def chunk(j, state):
             s, _, v = tiles.side_chunk(geo, q, j, b, h, side_rows, side_refs)
             keys = tiles.side_key_ids(geo, j)
-            return tiles.online(
-                state, s, None, v, tiles.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+            return base.online(
+                state, s, None, v, base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
             )
 
         state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
     m, l, acc = state
-    seen = tiles.seen(m)
+    seen = base.seen(m)
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
         o_ref.dtype
     )
@@ -87,7 +88,7 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, dro
         specs, arrays = specs + side_specs, arrays + side_arrays
     specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
     b, length = seg.shape
-    return tiles.call(
+    return base.call(
         functools.partial(_fwd_kernel, geo),
         "encoder_attention_fwd",
         geo.flops(2, 2),
@@ -95,8 +96,8 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, dro
         specs,
         [tiles.tile(geo), tiles.stat(geo)],
         [
-            tiles.out(q.shape, q.dtype, q),
-            tiles.out((b, geo.heads, length), jnp.float32, q),
+            base.out(q.shape, q.dtype, q),
+            base.out((b, geo.heads, length), jnp.float32, q),
         ],
     )(*arrays)
 
@@ -104,10 +105,10 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, dro
 # -- the differentiable function ----------------------------------------------------------------
 
 
-# The kernels run on each device's own rows and heads (`tiles.on_own_rows_and_heads`): the
+# The kernels run on each device's own rows and heads (`base.on_own_rows_and_heads`): the
 # forward and the backward are placed, each a call of its own, so that the residuals between
 # them are ordinary arrays. Logical axes of every array a call takes or gives:
-_SIDE = [tiles.ROWS, tiles.ROWS, ("heads", None), None, ("batch", None)]  # Side's fields
+_SIDE = [base.ROWS, base.ROWS, ("heads", None), None, ("batch", None)]  # Side's fields
 _STAT = ("batch", "heads", None)  # the log-sum-exp [B, H, L]
 
 
@@ -128,7 +129,7 @@ def _optional(side, gq, drop) -> tuple[list, list]:
         axes += [*_side_axes(side), ("batch", None)]
     if drop is not None:
         arrays += list(drop)
-        axes += tiles.DROP_AXES
+        axes += base.DROP_AXES
     return arrays, axes
 
 
@@ -138,7 +139,7 @@ def _unpack(geo, rest) -> tuple:
     if geo.g:
         side, gq, rest = Side(rest[0], rest[1], rest[2], None, rest[3]), rest[4], rest[5:]
     if geo.rate:
-        drop = tiles.Drop(*rest[:3])
+        drop = base.Drop(*rest[:3])
     return side, gq, drop
 
 
@@ -151,9 +152,9 @@ def _placed_forward(geo, q, k, v, seg, bias, side, gq, drop):
         return _forward(_local(geo, q), q, k, v, seg, bias, *_unpack(geo, rest))
 
     extra, extra_axes = _optional(side, gq, drop)
-    axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
-    return tiles.on_own_rows_and_heads(
-        forward, [q, k, v, seg, bias, *extra], axes, (tiles.ROWS, _STAT)
+    axes = [base.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
+    return base.on_own_rows_and_heads(
+        forward, [q, k, v, seg, bias, *extra], axes, (base.ROWS, _STAT)
     )
 
 
@@ -177,13 +178,13 @@ def _attention_bwd(geo, res, do):
         return (dq, dk, dv, dbias) + (d_side if side is not None else ())
 
     extra, extra_axes = _optional(side, gq, drop)
-    axes = [tiles.ROWS] * 3 + [("batch", None), ("heads", None, None), tiles.ROWS, _STAT]
-    axes += [tiles.ROWS, *extra_axes]
+    axes = [base.ROWS] * 3 + [("batch", None), ("heads", None, None), base.ROWS, _STAT]
+    axes += [base.ROWS, *extra_axes]
     # The bias tables' gradients lack `batch`: the placement sums them over the rows' devices.
-    outs = (tiles.ROWS, tiles.ROWS, tiles.ROWS, ("heads", None, None))
+    outs = (base.ROWS, base.ROWS, base.ROWS, ("heads", None, None))
     if side is not None:
-        outs += (tiles.ROWS, tiles.ROWS, ("heads", None))
-    grads = tiles.on_own_rows_and_heads(
+        outs += (base.ROWS, base.ROWS, ("heads", None))
+    grads = base.on_own_rows_and_heads(
         backward, [q, k, v, seg, bias, o, lse, do, *extra], axes, outs
     )
     d_side = None if side is None else Side(*grads[4:], None, None)
@@ -204,28 +205,28 @@ def encoder_attention(
     dropout: tuple[jax.Array, jax.Array, float] | None = None,
 ) -> jax.Array:
     """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows); under a
-    mesh, on each device's own rows and heads (`tiles.on_own_rows_and_heads`). The local bias
+    mesh, on each device's own rows and heads (`base.on_own_rows_and_heads`). The local bias
     is NEG beyond the radius (`long_attention.local_bias`). `dropout`:
     (the layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
     geo = tiles.geometry(q_BLHK, w, g, global_block_size, dropout[2] if dropout else 0.0)
     lp = geo.n * w
-    q, k, v = (tiles.pad(x, {1: lp}) for x in (q_BLHK, k_BLHK, v_BLHK))
-    seg = tiles.pad(segment_ids.astype(jnp.int32), {1: lp})
+    q, k, v = (base.pad(x, {1: lp}) for x in (q_BLHK, k_BLHK, v_BLHK))
+    seg = base.pad(segment_ids.astype(jnp.int32), {1: lp})
     gq = drop = None
     if geo.g:
-        gq = tiles.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
+        gq = base.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
         side = Side(
-            tiles.pad(side.k_BGHK, {1: geo.gp}),
-            tiles.pad(side.v_BGHK, {1: geo.gp}),
+            base.pad(side.k_BGHK, {1: geo.gp}),
+            base.pad(side.v_BGHK, {1: geo.gp}),
             side.bias_HD.astype(jnp.float32),
             None,
-            tiles.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.gp}),
+            base.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.gp}),
         )
     else:
         side = None
     if geo.rate:
-        drop = tiles.Drop.of(dropout[0], dropout[1], geo.heads)
+        drop = base.Drop.of(dropout[0], dropout[1], geo.heads)
     bias = local_bias_HWX.astype(jnp.float32)
     return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]

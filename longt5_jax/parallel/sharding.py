@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from longt5_jax.model import long_attention_tiles as tiles
+from longt5_jax.model import kernel_base as base
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.rules import Use, rules
 
@@ -23,7 +23,7 @@ def activation_context(mesh: Mesh, parallel: ParallelConfig) -> contextlib.ExitS
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
     interpreted = kernels_interpreted(mesh)
-    stack.enter_context(tiles.placement(functools.partial(kernel_placement, interpreted)))
+    stack.enter_context(base.placement(functools.partial(kernel_placement, interpreted)))
     stack.enter_context(
         nn.logical_axis_rules(
             rules(
@@ -101,7 +101,7 @@ def kernels_interpreted(mesh: Mesh | AbstractMesh) -> bool:
 def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) -> Any:
     """fn(*arrays) on each device's own rows and heads: a shard_map over the mesh axes that the
     logical `batch` and `heads` map to under the rules in force, as the model's own constraints
-    are placed (the model's kernels call this through `tiles.on_own_rows_and_heads`). An
+    are placed (the model's kernels call this through `base.on_own_rows_and_heads`). An
     output whose logical axes lack `batch` (a shared table's gradient) is summed over the rows'
     devices. `out_axes`: one output's logical axes, or a tuple of them."""
     mesh = jax.sharding.get_abstract_mesh()

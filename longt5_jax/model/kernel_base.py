@@ -1,0 +1,256 @@
+"""What every fused attention kernel shares (the encoder's, `long_attention_kernel`, and the
+decoder's, `attention_kernel`): the call (Triton on a GPU, interpreted elsewhere) and its launch
+settings, the online softmax and its masks' conventions, attention dropout's inputs, and how a
+call is placed on devices."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import fnmatch
+import inspect
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from longt5_jax.model.layers import dropout_scale
+
+
+def out(shape, dtype, like: jax.Array | None = None) -> jax.ShapeDtypeStruct:
+    """A kernel output's type; inside a shard_map (the pipeline's stages) it varies over the
+    manual axes the inputs vary over, which a custom call cannot infer."""
+    if like is None or _MANUAL is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(
+        shape, dtype, **{_MANUAL: getattr(jax.typeof(like), _AVAL[_MANUAL])}
+    )
+
+
+# Named `manual_axis_type` (aval field `mat`) in jax 0.10, `vma` (`vma`) elsewhere.
+_AVAL = {"manual_axis_type": "mat", "vma": "vma"}
+
+
+_MANUAL = next(
+    (k for k in _AVAL if k in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters), None
+)
+
+
+def pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
+    """The kernel as Triton on a GPU and interpreted elsewhere (tests on CPU): both are traced,
+    and lowering keeps the one for the platform compiled for (a deviceless GPU compile on a
+    CPU host gets Triton)."""
+
+    def build(interpret: bool, wide: bool):
+        kernel_call = pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(**_launch_of(name, wide)),
+            name=f"{name}.flops_{flops}",
+        )
+
+        def traced(*arrays):  # the kernel's body is traced here, for Triton or the interpreter
+            token = _TRITON.set(not interpret)
+            try:
+                return kernel_call(*arrays)
+            finally:
+                _TRITON.reset(token)
+
+        return traced
+
+    def run(*arrays):
+        wide = jnp.dtype(arrays[0].dtype).itemsize >= 4
+        return jax.lax.platform_dependent(
+            *arrays, cpu=build(True, wide), default=build(False, wide)
+        )
+
+    return run
+
+
+# Triton's warps and software-pipelining stages by kernel name (fnmatch patterns, first match
+# wins), as measured on an H100 (`bench kernels --launch`, docs/benchmarks.md): the encoder's
+# programs hold [128, 128] float32 score tiles, which 4 warps cannot keep in registers, and
+# three stages hide the loads of the next key block (the layer's forward and backward 12.5 ->
+# 10.1 ms at base 16k); the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against
+# 1.81 with 8:3).
+LAUNCH: tuple[tuple[str, int, int], ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2), ("*", 8, 2))
+
+
+_LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)
+
+
+@contextlib.contextmanager
+def launch(settings: tuple[tuple[str, int, int], ...]):
+    """Kernels traced inside this launch with `settings` ((pattern, warps, stages), first match
+    wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels` tries others."""
+    token = _LAUNCH.set(tuple(settings) + LAUNCH)
+    try:
+        yield
+    finally:
+        _LAUNCH.reset(token)
+
+
+def _launch_of(name: str, wide: bool = False) -> dict:
+    """Triton's launch settings of kernel `name`; `wide`: its tiles are float32, which take
+    twice the shared memory per stage (at 3 stages the side gradient's kernel asked 264 KiB,
+    where an H100 has 227), so at most 2 stages."""
+    warps, stages = next((w, s) for p, w, s in _LAUNCH.get() if fnmatch.fnmatchcase(name, p))
+    return {"num_warps": warps, "num_stages": min(stages, 2) if wide else stages}
+
+
+def whole() -> pl.BlockSpec:
+    """The whole array, indexed in the kernel."""
+    return pl.BlockSpec()
+
+
+def dot(a, b, trans_b=False):
+    """a @ b (or a @ b.T) with float32 accumulation."""
+    return jnp.dot(a, b.T if trans_b else b, preferred_element_type=jnp.float32)
+
+
+def select_sum(onehot, x, into=None):
+    """onehot @ x (plus `into`) for a 0/1 bfloat16 `onehot` and float32 `x`, to float32
+    accuracy on the tensor cores: x split into three bfloat16 terms (8 bits of mantissa each,
+    24 together), each product exact, summed in float32; each product accumulates into the
+    last (Triton chains them as one accumulator). An IEEE float32 matmul would run on the CUDA
+    cores' FMAs: in the side gradient's kernel that took more instructions than all its other
+    matmuls."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    total = dot(onehot, hi) if into is None else into + dot(onehot, hi)
+    return total + dot(onehot, mid) + dot(onehot, lo)
+
+
+# An invalid key's additive score: exact in bfloat16 (so `select_sum` carries it exactly), and
+# any score plus NEG rounds to NEG itself (|score| < 2^76), so beside a valid key its
+# probability is exactly 0. A row's running max stays at NEG (or -inf) only while it has seen
+# no valid key: `seen`.
+NEG = -(2.0**100)
+
+
+def seen(m):
+    """Rows whose running max `m` is a valid key's score."""
+    return m > NEG / 2
+
+
+def exp(x):
+    """e^x as 2^(x log2 e), float32. On a GPU one MUFU.EX2 an element (PTX ex2.approx.ftz, 2
+    ulp; results below 2^-126 flush to 0), where `jnp.exp` lowers to libdevice's expf, 8
+    instructions an element, and `jnp.exp2` to 4 (both with their own range handling; SASS,
+    sm_90a): in the encoder's inner loops the exponentials were a third of all instructions."""
+    x = x * LOG2E
+    if not _TRITON.get():
+        return jnp.exp2(x)
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;",
+        args=[x],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )[0]
+
+
+LOG2E = 1.4426950408889634
+
+
+# Whether kernel bodies are being traced for Triton (else for the interpreter): `call` sets it.
+_TRITON: contextvars.ContextVar = contextvars.ContextVar("triton", default=False)
+
+
+def probs(s, valid, lse):
+    """Probabilities from the saved log-sum-exp; `valid` None where invalid keys are NEG."""
+    return exp((s if valid is None else jnp.where(valid, s, -jnp.inf)) - lse[:, None])
+
+
+def online(state, s, valid, v, scale=None):
+    """One chunk of keys into the running (max, sum, unnormalised output); `scale` is the
+    dropout's (the sum is of the probabilities before it, as the XLA path's); `valid` None
+    where invalid keys are NEG already."""
+    m, l, acc = state
+    if valid is not None:
+        s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = exp(m - m_safe)
+    p = exp(s - m_safe[:, None])  # 0 where s is -inf
+    kept = p if scale is None else p * scale
+    acc = acc * alpha[:, None] + dot(kept.astype(v.dtype), v)
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+
+class Drop(NamedTuple):
+    """Attention dropout's inputs to a kernel (`layers.attention_keep`)."""
+
+    seed: jax.Array  # [1] int32, the layer's
+    rows: jax.Array  # [B] int32, global row ids
+    heads: jax.Array  # [H] int32, global head ids (a device holds some heads)
+
+    @classmethod
+    def of(cls, seed: jax.Array, rows: jax.Array, heads: int) -> Drop:
+        """A layer's int32 seed, the rows' global ids and the call's `heads` (all global)."""
+        seed = jnp.reshape(seed, (1,)).astype(jnp.int32)
+        return cls(seed, rows.astype(jnp.int32), jnp.arange(heads, dtype=jnp.int32))
+
+
+DROP_AXES = [(None,), ("batch",), ("heads",)]
+
+
+def pad(x: jax.Array, sizes: dict[int, int], value=0) -> jax.Array:
+    """x zero- (or `value`-) padded at the end of each axis in `sizes` to that size."""
+    widths = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]
+    return jnp.pad(x, widths, constant_values=value) if any(w for _, w in widths) else x
+
+
+def drop_scale(rate: float, drop_refs, b, h, query_ids, key_ids):
+    """[Q, C] dropout scale of queries x keys of row b, head h, or None without dropout."""
+    if not rate:
+        return None
+    seed_ref, rows_ref, heads_ref = drop_refs
+    row, head = rows_ref[b], heads_ref[h]
+    return dropout_scale(seed_ref[0], row, head, query_ids[:, None], key_ids[None, :], rate)
+
+
+def dropped_grad(p, dp, delta, scale):
+    """dS of dropped-out attention: p * (scale * dP - delta)."""
+    return p * ((dp if scale is None else dp * scale) - delta[:, None])
+
+
+# [B, L, H, K] arrays: rows and heads are what a kernel call may be split along.
+ROWS = ("batch", None, "heads", None)
+
+
+# How a kernel call is placed on devices. A custom call cannot be split by the compiler (GSPMD
+# would gather every operand to every device), so the parallel layer installs a placement that
+# runs the kernels on each device's own rows and heads (`parallel.sharding.kernel_placement`,
+# entered with the activation rules); by default the call is made as is (one device).
+_PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("kernel_placement", default=None)
+
+
+@contextlib.contextmanager
+def placement(place):
+    """Place kernel calls with place(fn, arrays, logical axes of each, logical axes of the
+    output) while tracing inside this."""
+    token = _PLACEMENT.set(place)
+    try:
+        yield
+    finally:
+        _PLACEMENT.reset(token)
+
+
+def on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
+    """fn(*arrays), placed by the placement in force; `axes` names each array's logical axes
+    (arrays[0] is [B, L, H, K])."""
+    place = _PLACEMENT.get()
+    return fn(*arrays) if place is None else place(fn, arrays, axes, out_axes)
