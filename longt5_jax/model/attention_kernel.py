@@ -56,12 +56,15 @@ def _stat(tl: Tiles) -> pl.BlockSpec:
 
 
 def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
-    """[Q, C] scores (with the bias) and their validity."""
+    """[Q, C] scores (with the bias) and their validity, or None where a mask shared by every
+    query (cross-attention's) made invalid keys NEG: one add a key, taken into the matmul's
+    accumulator, instead of a compare and a select an element (SASS, sm_90a)."""
     s = base.dot(q, k, trans_b=True)
     if tl.bias:
         s = s + bias_ref[h, rows, keys]
-    mask = mask_ref[b, rows if tl.mask_rows > 1 else pl.ds(0, 1), keys] != 0
-    return s, jnp.broadcast_to(mask, s.shape)
+    if tl.mask_rows == 1:
+        return s + jnp.where(mask_ref[b, pl.ds(0, 1), keys] != 0, 0.0, base.NEG), None
+    return s, mask_ref[b, rows, keys] != 0
 
 
 def _scale(tl: Tiles, drop, b, h, i, j):
@@ -96,7 +99,7 @@ def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref,
         jnp.zeros((tl.tq, tl.head_dim), jnp.float32),
     )
     m, l, acc = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, state)
-    seen = l > 0
+    seen = base.seen(m)
     safe = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(safe), 0.0)
