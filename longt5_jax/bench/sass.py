@@ -29,6 +29,7 @@ from longt5_jax.bench import kernels
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
+from longt5_jax.plan import compile_ahead, targets
 
 CLASSES = (  # (class, opcode prefixes), first match wins
     ("tensor", ("HGMMA", "HMMA")),
@@ -107,8 +108,6 @@ def read_ptx(path: Path, arch: str, workdir: Path) -> dict:
 
 def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
     """{kernel name: reading} of the case's layer forward and backward compiled for `target`."""
-    from longt5_jax.plan import compile_ahead, targets
-
     preset, attention, length, batch, packed = kernels.parse_case(case)
     kind = "decoder" if attention == "decoder" else "encoder"
     config = LongT5Config.preset(
@@ -189,8 +188,6 @@ def _main(argv: list[str]) -> int:
         kernels.parse_case(case)
     before = _load(args.compare) if args.compare else {}
     tool("ptxas"), tool("nvdisasm")
-    from longt5_jax.plan import targets
-
     targets.prepare_environment()
     cases = {}
     for case in args.cases:
