@@ -17,6 +17,7 @@ import collections
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,14 +43,24 @@ CLASSES = (  # (class, opcode prefixes), first match wins
 
 
 def tool(name: str) -> str:
-    """The path of a CUDA tool installed by the `gpu` extra's NVIDIA wheels."""
-    spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations) if spec else []
-    found = sorted(p for root in roots for p in Path(root).glob(f"*/bin/{name}"))
-    if not found:
-        raise UsageError(f"{name}: not installed (pip install -e '.[gpu]' brings it)")
-    found[0].chmod(found[0].stat().st_mode | 0o111)  # wheels may drop the executable bit
-    return str(found[0])
+    """The path of a CUDA tool: ptxas of the gpu extra's CUDA 12 compiler wheel (the one XLA
+    compiles with), else from PATH; nvdisasm from PATH."""
+    wheel = []
+    if name == "ptxas":
+        try:
+            spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+        except ModuleNotFoundError:  # no nvidia package at all
+            spec = None
+        roots = (spec.submodule_search_locations or []) if spec else []
+        wheel = [str(Path(root) / "bin" / name) for root in roots]
+    found = [path for path in wheel if Path(path).exists()] or [shutil.which(name)]
+    if not found[0]:
+        raise UsageError(
+            f"{name}: not found. nvdisasm: pip install --target DIR nvidia-cuda-nvdisasm==13.5.37 "
+            "and put DIR/nvidia/cu13/bin on PATH (not into jax's environment: jax 0.10 would take "
+            "that CUDA 13 directory for its own)"
+        )
+    return found[0]
 
 
 def classify(opcode: str) -> str:
