@@ -149,20 +149,19 @@ def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0
 def layer_grad(config, kind: str, launch: tuple = ()):
     """(params, inputs, cotangent, x) -> (output, gradients of the parameters, x and the float
     inputs) of an encoder or decoder (`kind`) layer, its kernels launched with `launch`."""
-    grad, wrt = layer_loss_grad(config, kind)
+    grad = layer_loss_grad(config, kind)
 
     def run(params, inputs, cotangent, x):
-        tables = {k: inputs[k] for k in wrt}
         with base.launch(launch):
-            return grad(params, x, tables, inputs, cotangent)
+            return grad(params, inputs, cotangent, x)
 
     return run
 
 
 @functools.cache
 def layer_loss_grad(config, kind: str):
-    """(jitted (params, x, tables, inputs, cotangent) -> ((loss, output), gradients), the
-    names of the inputs differentiated as `tables`) of an encoder or decoder layer."""
+    """Jitted (params, inputs, cotangent, x) -> ((loss, output), gradients of the parameters,
+    x and the float inputs) of an encoder or decoder layer."""
     if kind == "decoder":
         layer = _decoder_attention(config)
 
@@ -188,19 +187,37 @@ def layer_loss_grad(config, kind: str):
         out = apply(params, x, {**inputs, **tables})
         return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)), wrt
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    return jax.jit(
+        lambda params, inputs, cotangent, x: grad(
+            params, x, {k: inputs[k] for k in wrt}, inputs, cotangent
+        )
+    )
 
 
 def run_layer(config, params, inputs, cotangent, dtype="float32", launch=()):
     """(output, gradients) of the layer of `inputs` (a decoder's if they hold `encoded`) with
     `config` in `dtype` (inputs cast to it)."""
-    config = dataclasses.replace(config, dtype=dtype)
-    x = inputs["x"].astype(jnp.dtype(dtype))
-    kind = "decoder" if "encoded" in inputs else "encoder"
-    if kind == "decoder":
-        inputs = {**inputs, "encoded": inputs["encoded"].astype(jnp.dtype(dtype))}
-    (_, out), grads = layer_grad(config, kind, launch)(params, inputs, cotangent, x)
+    config, kind, inputs = in_dtype(config, inputs, dtype)
+    (_, out), grads = layer_grad(config, kind, launch)(params, inputs, cotangent, inputs["x"])
     return jax.block_until_ready((out, grads))
+
+
+def in_dtype(config, inputs, dtype: str):
+    """(config, kind, inputs) of a layer computing in `dtype`, its float inputs cast to it; kind
+    is "decoder" where the inputs hold `encoded`."""
+    kind = "decoder" if "encoded" in inputs else "encoder"
+    cast = ("x", "encoded") if kind == "decoder" else ("x",)
+    inputs = {**inputs, **{k: inputs[k].astype(jnp.dtype(dtype)) for k in cast}}
+    return dataclasses.replace(config, dtype=dtype), kind, inputs
+
+
+def case_problem(case: str):
+    """(the XLA path's config, (params, inputs, cotangent)) of a case of `CASES`' form."""
+    model, kind, length, batch, packed = parse_case(case)
+    config = LongT5Config.preset(model, "local" if kind == "decoder" else kind)
+    build = decoder_problem if kind == "decoder" else layer_problem
+    return config, build(config, batch, length, packed)
 
 
 def relative_errors(got, want, real) -> dict[str, float]:
@@ -240,13 +257,9 @@ def _kernel_times(run, runs: int = 3) -> list[dict]:
 
 
 def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False) -> dict:
-    model, kind, length, batch, packed = parse_case(case)
-    xla = LongT5Config.preset(model, "local" if kind == "decoder" else kind)
+    xla, problem = case_problem(case)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
-    build = decoder_problem if kind == "decoder" else layer_problem
-    params, inputs, cotangent = build(xla, batch, length, packed)
-    real = inputs["seg"][..., None] > 0
-    problem = (params, inputs, cotangent)
+    real = problem[1]["seg"][..., None] > 0
     reference = run_layer(xla, *problem)
     device = jax.devices()[0].device_kind
     report = {"case": case, "backend": jax.default_backend(), "device": device}

@@ -14,6 +14,7 @@ for 32 cycles).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib.util
 import json
 import re
@@ -23,13 +24,11 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from longt5_jax import cli
 from longt5_jax.bench import kernels
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
-from longt5_jax.model import LongT5Config
 from longt5_jax.plan import compile_ahead, targets
 
 CLASSES = (  # (class, opcode prefixes), first match wins
@@ -119,20 +118,13 @@ def read_ptx(path: Path, arch: str, workdir: Path) -> dict:
 
 def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
     """{kernel name: reading} of the case's layer forward and backward compiled for `target`."""
-    preset, attention, length, batch, packed = kernels.parse_case(case)
-    kind = "decoder" if attention == "decoder" else "encoder"
-    config = LongT5Config.preset(
-        preset, "local" if attention == "local" else "transient-global",
-        attention_kernel="pallas", dtype=dtype,
-    )  # fmt: skip
-    problem = kernels.decoder_problem if kind == "decoder" else kernels.layer_problem
-    params, inputs, cotangent = problem(config, batch, length, packed)
+    xla, (params, inputs, cotangent) = kernels.case_problem(case)
+    pallas = dataclasses.replace(xla, attention_kernel="pallas")
+    config, kind, inputs = kernels.in_dtype(pallas, inputs, dtype)
     spec = targets.load(target)
     device = targets.devices(spec, 1, 1)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    grad, wrt = kernels.layer_loss_grad(config, kind)
-    x = inputs["x"].astype(jnp.dtype(dtype))
-    args = (params, x, {k: inputs[k] for k in wrt}, inputs, cotangent)
+    args = (params, inputs, cotangent, inputs["x"])
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
     )
@@ -140,6 +132,7 @@ def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
     arch = "sm_" + spec.compute_capability.replace(".", "")
     arch += "a" if arch == "sm_90" else ""
     with tempfile.TemporaryDirectory() as tmp, compile_ahead._persistent_cache(False):
+        grad = kernels.layer_loss_grad(config, kind)
         with jax.default_matmul_precision("default"):  # users' precision (tests ask "highest")
             grad.lower(*abstract).compile(compiler_options={"xla_dump_to": tmp})
         kernels_ptx = []

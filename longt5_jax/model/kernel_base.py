@@ -31,8 +31,6 @@ def out(shape, dtype, like: jax.Array | None = None) -> jax.ShapeDtypeStruct:
 
 # Named `manual_axis_type` (aval field `mat`) in jax 0.10, `vma` (`vma`) elsewhere.
 _AVAL = {"manual_axis_type": "mat", "vma": "vma"}
-
-
 _MANUAL = next(
     (k for k in _AVAL if k in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters), None
 )
@@ -60,11 +58,8 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
         )
 
         def traced(*arrays):  # the kernel's body is traced here, for Triton or the interpreter
-            token = _TRITON.set(not interpret)
-            try:
+            with _bound(_TRITON, not interpret):
                 return kernel_call(*arrays)
-            finally:
-                _TRITON.reset(token)
 
         return traced
 
@@ -89,15 +84,20 @@ LAUNCH: tuple[tuple[str, int, int], ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2)
 _LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)
 
 
-@contextlib.contextmanager
 def launch(settings: tuple[tuple[str, int, int], ...]):
     """Kernels traced inside this launch with `settings` ((pattern, warps, stages), first match
     wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels` tries others."""
-    token = _LAUNCH.set(tuple(settings) + LAUNCH)
+    return _bound(_LAUNCH, tuple(settings) + LAUNCH)
+
+
+@contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value):
+    """`var` set to `value` inside this."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _LAUNCH.reset(token)
+        var.reset(token)
 
 
 def _launch_of(name: str, wide: bool = False) -> dict:
@@ -169,9 +169,14 @@ LOG2E = 1.4426950408889634
 _TRITON: contextvars.ContextVar = contextvars.ContextVar("triton", default=False)
 
 
+def _masked(s, valid):
+    """s, -inf where not `valid` (None: invalid keys are NEG already)."""
+    return s if valid is None else jnp.where(valid, s, -jnp.inf)
+
+
 def probs(s, valid, lse):
-    """Probabilities from the saved log-sum-exp; `valid` None where invalid keys are NEG."""
-    return exp((s if valid is None else jnp.where(valid, s, -jnp.inf)) - lse[:, None])
+    """Probabilities from the saved log-sum-exp."""
+    return exp(_masked(s, valid) - lse[:, None])
 
 
 def online(state, s, valid, v, scale=None):
@@ -179,8 +184,7 @@ def online(state, s, valid, v, scale=None):
     dropout's (the sum is of the probabilities before it, as the XLA path's); `valid` None
     where invalid keys are NEG already."""
     m, l, acc = state
-    if valid is not None:
-        s = jnp.where(valid, s, -jnp.inf)
+    s = _masked(s, valid)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = exp(m - m_safe)
@@ -238,15 +242,10 @@ ROWS = ("batch", None, "heads", None)
 _PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("kernel_placement", default=None)
 
 
-@contextlib.contextmanager
 def placement(place):
     """Place kernel calls with place(fn, arrays, logical axes of each, logical axes of the
     output) while tracing inside this."""
-    token = _PLACEMENT.set(place)
-    try:
-        yield
-    finally:
-        _PLACEMENT.reset(token)
+    return _bound(_PLACEMENT, place)
 
 
 def on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
