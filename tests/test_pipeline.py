@@ -4,6 +4,7 @@ Each case compiles a pipelined forward and backward pass (about 5 s on 2 cores);
 run checks data 2 x tensor 2 x pipeline 2, the slow run the 4-stage and circular plans too.
 """
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -222,10 +223,13 @@ def test_the_demo_trains_pipelined_with_one_flag(tmp_path):
     np.testing.assert_allclose(runs["pp"], runs["plain"], rtol=5e-7)  # measured 1.2e-7 (1 ulp)
 
 
-@pytest.mark.parametrize("stages, micro, repeats", [(2, 2, 1), (2, 2, 2)])
-def test_dropout_through_the_stages_draws_the_whole_stacks_masks(stages, micro, repeats):
+@pytest.mark.parametrize(
+    "stages, micro, repeats, scan", [(2, 2, 1, True), (2, 2, 2, True), (2, 2, 2, False)]
+)
+def test_dropout_through_the_stages_draws_the_whole_stacks_masks(stages, micro, repeats, scan):
     """Fine-tuning uses dropout: a layer's masks come from its index and each row's, so the
-    stages and microbatches of a pipeline draw exactly what the whole stack draws."""
+    stages and microbatches of a pipeline draw exactly what the whole stack draws (its stages'
+    layers scanned or unrolled)."""
     config = LongT5Config.preset(
         "tiny", "transient-global", dropout_rate=0.1, num_encoder_layers=4, num_decoder_layers=4
     )
@@ -233,11 +237,12 @@ def test_dropout_through_the_stages_draws_the_whole_stacks_masks(stages, micro, 
     dec = jnp.ones((4, 4), jnp.int32)
     variables = LongT5(config).init(jax.random.key(0), ids, None, dec)
 
-    def logits(runner, **kwargs):
+    def logits(runner, config=config, **kwargs):
         return LongT5(config, runner=runner).apply(variables, ids, None, dec, **kwargs)
 
     noisy = dict(deterministic=False, rngs={"dropout": jax.random.key(1)})
-    piped = logits(Pipeline(stages, micro, repeats), **noisy)
+    staged = dataclasses.replace(config, scan_layers=scan)
+    piped = logits(Pipeline(stages, micro, repeats), staged, **noisy)
     assert np.abs(piped - logits(None)).max() > 1.0  # dropout moves logits by 3.5 here
     # Measured: |piped - whole| <= 2.1e-6 (1 + |whole|), logits up to 3.7 in size.
     np.testing.assert_allclose(piped, logits(None, **noisy), rtol=5e-6, atol=5e-6)

@@ -376,10 +376,10 @@ def test_a_run_writes_only_the_files_no_command_may_write_over(trained):
     assert {run_lock.LOCK_NAME, identity.IDENTITY_NAME} <= set(cli.RUN_FILES)
 
 
-def test_remat_and_the_kernels_are_free_to_change_on_a_resume_and_no_other_model_field_is():
+def test_remat_the_kernels_and_the_scan_are_free_to_change_on_a_resume_and_no_other_field_is():
     base = LongT5Config()
     pinned = identity.of(b"model", "t.model", base, "summarization")
-    for free in (dict(remat="full"), dict(attention_kernel="pallas")):
+    for free in (dict(remat="full"), dict(attention_kernel="pallas"), dict(scan_layers=False)):
         changed = dataclasses.replace(base, **free)
         assert identity.of(b"model", "t.model", changed, "summarization") == pinned
     for field in dataclasses.fields(LongT5Config):

@@ -56,6 +56,19 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -
     p.add_argument("--attention", default="tglobal")
     p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
     p.add_argument("--target_length", type=length_type, default=512)
+    p.add_argument(
+        "--scan_layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the layer stacks as a scan (default) or unrolled (LongT5Config.scan_layers)",
+    )
+
+
+def step_argv(args) -> list[str]:
+    """`add_step_arguments`' values but the cases, as a child process' arguments."""
+    scan = "--scan_layers" if args.scan_layers else "--no-scan_layers"
+    return ["--target", args.target, "--attention", args.attention, "--attention_kernel",
+            args.attention_kernel, "--target_length", str(args.target_length), scan]  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +138,7 @@ def case_step(args, case: str, devices: list):
         dtype=half_dtype(devices[0]),
         remat=remat,
         attention_kernel=args.attention_kernel,
+        scan_layers=args.scan_layers,
     )
     optimizer = make_optimizer(OptimizerConfig(name="adamw"))
     step = compile_ahead.sharded_step(
@@ -235,9 +249,7 @@ def _child(args, kind: str, case: str) -> dict:
     else:  # the allocator may take what the step needs (jax's default stops at 75%)
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     cmd = [sys.executable, "-m", "longt5_jax.bench", "device", "--child", kind, "--cases", case]
-    cmd += ["--target", args.target, "--attention", args.attention]
-    cmd += ["--attention_kernel", args.attention_kernel]
-    cmd += ["--target_length", str(args.target_length), "--steps", str(args.steps)]
+    cmd += step_argv(args) + ["--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup), "--launch", launch_text(args.launch)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]

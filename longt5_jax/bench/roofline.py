@@ -142,9 +142,7 @@ def _child(args, case: str) -> dict:
     """Run one case in a process of its own; its report comes back on stdout."""
     env = {**os.environ, **targets.DEVICELESS_ENV}
     cmd = [sys.executable, "-m", "longt5_jax.bench", "roofline", "--child", "--cases", case]
-    cmd += ["--target", args.target, "--attention", args.attention]
-    cmd += ["--attention_kernel", args.attention_kernel]
-    cmd += ["--target_length", str(args.target_length)]
+    cmd += device.step_argv(args)
     began = time.perf_counter()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]

@@ -48,6 +48,10 @@ class LongT5Config:
     # Parameters are always float32; this is the dtype of activations and matmul inputs.
     dtype: str = "float32"
     remat: str = "none"
+    # The layer stacks as one scan each (a short compile), or unrolled: no scan buffers, which
+    # a GPU step otherwise zero-fills and copies through (saved activations without remat, the
+    # layers' parameter gradients); parameters keep their [layers, ...] layout either way.
+    scan_layers: bool = True
     # Attention: "xla" (the reference, score tensors in memory) or "pallas" (fused kernels for
     # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
     # Triton on a GPU, interpreted on a CPU; attention dropout inside them). Cached decoding (one

@@ -1,11 +1,14 @@
 """Layer stacks: copies of a layer as one `nn.scan`, run by a runner a chunk of layers at a time.
 
-The runner is the whole scan by default (`WholeStack`); the pipeline injects another
-(`parallel.pipeline.Pipeline`), so the model never imports or branches on it.
+The runner is the whole stack by default (`WholeStack`); the pipeline injects another
+(`parallel.pipeline.Pipeline`), so the model never imports or branches on it. A chunk runs as a
+scan, or unrolled (`LongT5Config.scan_layers=False`); its parameters keep their [layers, ...]
+layout either way.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,6 +51,12 @@ class WholeStack:
 _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
+def _remat(layer: type[nn.Module], config: LongT5Config, prevent_cse: bool):
+    if config.remat == "none":
+        return layer
+    return nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=prevent_cse)
+
+
 def scanned(
     layer: type[nn.Module],
     config: LongT5Config,
@@ -63,14 +72,15 @@ def scanned(
     scanned argument, which a chunk of a pipeline knows too (a split key would not be the same
     for a chunk of the stack as for the whole).
     """
-    if config.remat != "none":
-        layer = nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=False)
+    # Unrolled, nothing stops XLA from merging a remat's recomputation with the forward.
+    unrolled = not config.scan_layers
     scanned = nn.scan(
-        layer,
+        _remat(layer, config, prevent_cse=unrolled),
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": False},
         in_axes=in_axes,
         length=num_layers,
+        unroll=num_layers if unrolled else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(config, deterministic, name=name, **kwargs)
@@ -97,14 +107,18 @@ def run(
     """
     c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
     k = runner.chunk_length(held, f"{type(parent).__name__} layers")
-    chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
     rngs = {} if deterministic else {"dropout": parent.make_rng("dropout")}
+    # A layer uses each of its parameters in the compute dtype only (`Projection` and `RMSNorm`
+    # cast on use), so a chunk casts them once: not again in the forward, its recomputation and
+    # the backward, and the scan's backward stacks the layers' gradients in that dtype.
+    cast = functools.partial(jax.tree.map, lambda p: p.astype(c.compute_dtype))
+    chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
 
     def stage_fn(params, h, rows, shared, index):
         layers = index * k + jnp.arange(k)
 
         def apply(h, *args):
-            return chunk.apply({"params": params}, h, layers, *args, rngs=rngs)[0]
+            return chunk.apply({"params": cast(params)}, h, layers, *args, rngs=rngs)[0]
 
         return call(apply, h, rows, shared)
 

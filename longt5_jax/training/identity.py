@@ -29,9 +29,9 @@ from longt5_jax.formats.native import (
 IDENTITY_NAME = "run.json"  # one of cli.RUN_FILES: no command writes over it
 # How the same values are computed, not which: remat recomputes activations in the backward
 # pass (a resume may switch it to fit memory on other devices), attention_kernel picks the XLA
-# path or the fused kernels (equal to float rounding). A resume may change them and still be the
-# same run.
-FREE_FIELDS = ("remat", "attention_kernel")
+# path or the fused kernels (equal to float rounding), scan_layers a scan over the layers or the
+# layers unrolled. A resume may change them and still be the same run.
+FREE_FIELDS = ("remat", "attention_kernel", "scan_layers")
 
 
 class IdentityError(UsageError):
