@@ -1,9 +1,9 @@
-"""Bad input at every command, as a new user meets it: each case runs the real command in a fresh
-process and must end with one line on stderr naming the culprit, exit 2, no traceback, and every
-file that existed before exactly as it was.
+"""Bad input at every command, as a new user meets it: each case runs the real command in a
+process of its own and must end with one line on stderr naming the culprit, exit 2, no
+traceback, and every file that existed before exactly as it was.
 
-The commands start together (each is mostly Python and jax start-up) so the whole table costs
-about as much as its slowest case.
+The commands start together, forked from one process that imported them (`forkrun`: each is
+mostly Python and jax start-up), so the whole table costs about as much as its slowest case.
 """
 
 import hashlib
@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkrun
 import pytest
 
 from longt5_jax.bench import __main__ as bench_main
@@ -145,22 +146,16 @@ def cache(tmp_path_factory):
 def outcomes(tmp_path_factory, cache):
     """Every case run at once; each result with its directory's files before and after."""
     env = {**os.environ, "LONGT5_JAX_CACHE": str(cache)}
-    started = {}
+    cases = {}
     for i, (name, (argv, _)) in enumerate(CASES.items()):
         d = tmp_path_factory.mktemp(f"case{i}")
         _prepare(d)
-        args = [a.format(d=d) for a in argv]
-        before = _snapshot(d)
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        started[name] = (d, proc, before)
-    results = {}
-    for name, (d, proc, before) in started.items():
-        out, err = proc.communicate(timeout=300)
-        results[name] = (d, proc.returncode, out, err, before, _snapshot(d))
-    return results
+        cases[name] = (d, [sys.executable, *(a.format(d=d) for a in argv)], _snapshot(d))
+    done = forkrun.start([c for _, c, _ in cases.values()], env, ROOT)
+    return {
+        name: (d, proc.returncode, proc.stdout, proc.stderr, before, _snapshot(d))
+        for (name, (d, _, before)), proc in zip(cases.items(), done, strict=True)
+    }
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkrun
 import pytest
 from test_run_lock import hold_lock
 from test_train import child_env, train_command
@@ -312,9 +313,10 @@ def _prepare(d: Path, name: str, run: Path, other: Path) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory, trained, env):
-    """Every case run at once; each result with its directory's files before and after."""
+    """Every case run at once (`forkrun`); each result with its directory's files before and
+    after."""
     run, other = trained
-    started = {}
+    cases = {}
     taken = socket.create_server(("127.0.0.1", 0))  # the port a metrics endpoint cannot have
     for name, (argv, _) in CASES.items():
         d = tmp_path_factory.mktemp(name.replace(" ", "_").replace("-", ""))
@@ -322,23 +324,14 @@ def outcomes(tmp_path_factory, trained, env):
         values = {"d": d, "other": d / "other.model"}
         values["relative"] = os.path.relpath(d / "docs.jsonl", ROOT)
         values["port"] = taken.getsockname()[1]
-        before = _snapshot(d)
-        started[name] = (
-            values,
-            _start([sys.executable, *(a.format(**values) for a in argv)], env),
-            before,
-        )
-    results = {}
-    for name, (values, proc, before) in started.items():
-        out, err = proc.communicate(timeout=300)
-        results[name] = (
-            values,
-            subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-            before,
-            _snapshot(values["d"]),
-        )
+        command = [sys.executable, *(a.format(**values) for a in argv)]
+        cases[name] = (values, command, _snapshot(d))
+    done = forkrun.start([c for _, c, _ in cases.values()], env, ROOT)
     taken.close()
-    return results
+    return {
+        name: (values, proc, before, _snapshot(values["d"]))
+        for (name, (values, _, before)), proc in zip(cases.items(), done, strict=True)
+    }
 
 
 @pytest.mark.parametrize("name", CASES)
