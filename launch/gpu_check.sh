@@ -6,8 +6,8 @@
 #      with BASELINE (a folder holding another version's longt5_jax package), that version's
 #      kernels timed on the same cases, in the same session;
 #   2. bench device: the train step with the kernels (launched with the fastest setting of 1),
-#      the same with the layers unrolled (--no-scan_layers), and with XLA's attention, case by
-#      case over CASES (the first two are the goal cases);
+#      the same with the layers unrolled (--no-scan_layers, cases without remat), and with XLA's
+#      attention, case by case over CASES (the first two are the goal cases);
 #   3. transformers' step on the first case (after the two goal cases), then the remaining
 #      cases and a profiler trace of the first case's step (kernel by kernel), if time is left.
 # (Nsight Compute 2025.3 crashed profiling the JAX process on an H100: segmentation fault, and
@@ -65,13 +65,17 @@ fi
 
 first="${cases%% *}"
 second=$(echo "$cases" | awk '{print $2}')
-# Case by case, kernels (scanned and unrolled layers) then XLA, so that a run cut short by the
-# budget still pairs them; the two goal cases, then transformers' step on the first, the rest.
+# Case by case, kernels (scanned, and unrolled without remat) then XLA, so that a run cut short
+# by the budget still pairs them; the two goal cases, then transformers' step on the first, the
+# rest.
 for case in $cases; do
   for variant in pallas pallas:unrolled xla; do
     kernel=${variant%%:*}
     layers=--scan_layers
-    [ "$variant" = "${kernel}:unrolled" ] && layers=--no-scan_layers
+    if [ "$variant" = "${kernel}:unrolled" ]; then
+      [ "${case##*:}" = none ] || continue # with remat, unrolling gains nothing (deviceless)
+      layers=--no-scan_layers
+    fi
     section "bench device $case $variant"
     run 100 python3 -m longt5_jax.bench device --no-deviceless --steps 5 --warmup 2 \
       --attention_kernel "$kernel" "$layers" --launch "$best" \

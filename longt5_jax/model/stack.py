@@ -8,7 +8,6 @@ layout either way.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -108,17 +107,16 @@ def run(
     c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
     k = runner.chunk_length(held, f"{type(parent).__name__} layers")
     rngs = {} if deterministic else {"dropout": parent.make_rng("dropout")}
-    # A layer uses each of its parameters in the compute dtype only (`Projection` and `RMSNorm`
-    # cast on use), so a chunk casts them once: not again in the forward, its recomputation and
-    # the backward, and the scan's backward stacks the layers' gradients in that dtype.
-    cast = functools.partial(jax.tree.map, lambda p: p.astype(c.compute_dtype))
+    # The parameters reach the layers in float32, cast where each is used: a parameter used
+    # twice (TGlobal's key and value, on tokens and on global aggregates) then sums its two
+    # gradients in float32. Cast once here, they would sum in the compute dtype.
     chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
 
     def stage_fn(params, h, rows, shared, index):
         layers = index * k + jnp.arange(k)
 
         def apply(h, *args):
-            return chunk.apply({"params": cast(params)}, h, layers, *args, rngs=rngs)[0]
+            return chunk.apply({"params": params}, h, layers, *args, rngs=rngs)[0]
 
         return call(apply, h, rows, shared)
 
