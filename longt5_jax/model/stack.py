@@ -50,12 +50,6 @@ class WholeStack:
 _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def _remat(layer: type[nn.Module], config: LongT5Config, prevent_cse: bool):
-    if config.remat == "none":
-        return layer
-    return nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=prevent_cse)
-
-
 def scanned(
     layer: type[nn.Module],
     config: LongT5Config,
@@ -71,10 +65,12 @@ def scanned(
     scanned argument, which a chunk of a pipeline knows too (a split key would not be the same
     for a chunk of the stack as for the whole).
     """
-    # Unrolled, nothing stops XLA from merging a remat's recomputation with the forward.
     unrolled = not config.scan_layers
+    # Unrolled, only prevent_cse keeps XLA from merging a remat's recomputation with the forward.
+    if config.remat != "none":
+        layer = nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=unrolled)
     scanned = nn.scan(
-        _remat(layer, config, prevent_cse=unrolled),
+        layer,
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": False},
         in_axes=in_axes,
