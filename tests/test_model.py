@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec
 from reference import max_rel, padded_batch, random_params
 
 from longt5_jax.model import LongT5, LongT5Config, count_params
-from longt5_jax.model.layers import Dropout, Rows
+from longt5_jax.model.layers import Dropout, Projection, Rows, normal
 from longt5_jax.model.loss import cross_entropy
 
 LOGICAL_AXES = {
@@ -122,6 +122,47 @@ def test_remat_and_unrolled_layers_change_memory_not_gradients(remat, scan):
     # measured for both policies, unrolled or not).
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert max_rel(a, b)[1] <= 1e-6
+
+
+def test_a_kernel_used_twice_sums_its_gradients_in_float32_and_rounds_once():
+    """TGlobal's key and value kernels project the tokens and the global aggregates, and reach
+    the layer already in bfloat16 (a stack casts its parameters once a step): their gradient is
+    the two uses' sum in float32, rounded to bfloat16 once, not a sum of two rounded halves."""
+    proj = Projection((4, 8), ("embed",), ("heads", "kv"), normal(1.0), jnp.bfloat16)
+    k = jax.random.split(jax.random.key(3), 5)
+    shapes = [(2, 300, 16), (2, 19, 16), (2, 300, 4, 8), (2, 19, 4, 8)]
+    x1, x2, dy1, dy2 = (
+        jax.random.normal(key, shape).astype(jnp.bfloat16)
+        for key, shape in zip(k, shapes, strict=False)
+    )
+    kernel = nn.unbox(proj.init(k[4], x1, x2))["params"]["kernel"].astype(jnp.bfloat16)
+
+    def both(k):
+        return proj.apply({"params": {"kernel": k}}, x1, x2)
+
+    (y1, y2), vjp = jax.vjp(both, kernel)
+    dkernel = vjp((dy1, dy2))[0]
+    # The outputs and the inputs' gradients are each use's own.
+    apply = lambda *xs: proj.apply({"params": {"kernel": kernel}}, *xs)  # noqa: E731
+    dxs = jax.vjp(apply, x1, x2)[1]((dy1, dy2))
+    for x, y, dy, dx in zip([x1, x2], [y1, y2], [dy1, dy2], dxs, strict=True):
+        one, one_vjp = jax.vjp(apply, x)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(one, np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(dx, np.float32), np.asarray(one_vjp(dy)[0], np.float32)
+        )
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    exact = sum(np.einsum("bld,blhk->dhk", f64(x), f64(dy)) for x, dy in [(x1, dy1), (x2, dy2)])
+    nearest = np.asarray(exact.astype(np.float32).astype(jnp.bfloat16), np.float64)
+
+    def rounded_right(g):  # the share of entries that are the exact sum's nearest bfloat16
+        return np.mean(f64(g) == nearest)
+
+    # Measured: every entry is the exact sum's nearest bfloat16; of the two rounded gradients
+    # summed in bfloat16, 69% are.
+    assert dkernel.dtype == jnp.bfloat16 and rounded_right(dkernel) == 1.0
+    halves = [jnp.einsum("bld,blhk->dhk", x, dy) for x, dy in [(x1, dy1), (x2, dy2)]]
+    assert rounded_right(halves[0] + halves[1]) < 0.8
 
 
 def test_dropout_is_active_only_when_not_deterministic():

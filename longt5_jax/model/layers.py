@@ -5,6 +5,7 @@ Parameters are float32 and carry logical axis names; computation runs in `config
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -162,7 +163,9 @@ class Projection(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *more: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+        """`x` projected; given `more` inputs, all of them, by one kernel whose gradient sums
+        its uses in float32 and is rounded to the compute dtype once (`_shared_projection`)."""
         n_in = len(self.in_axes)
         kernel_shape = (*x.shape[x.ndim - n_in :], *self.shape)
         kernel = self.param(
@@ -171,10 +174,47 @@ class Projection(nn.Module):
             kernel_shape,
             jnp.float32,
         )
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        return jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        kernel, xs = kernel.astype(self.dtype), tuple(a.astype(self.dtype) for a in (x, *more))
+        if not more:
+            return _project(n_in, xs[0], kernel)
+        return _shared_projection(n_in, kernel, *xs)
+
+
+def _project(n_in: int, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ())))
+
+
+# One kernel applied to several inputs. Its plain gradient would be each use's gradient rounded
+# to the compute dtype, then summed in that dtype wherever the kernel reaches the layer already
+# cast (a layer stack casts its parameters once a step): here the uses' gradients come out of
+# their matmuls in float32, are summed there and rounded once.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _shared_projection(n_in: int, kernel: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(_project(n_in, x, kernel) for x in xs)
+
+
+def _shared_projection_fwd(n_in, kernel, *xs):
+    return _shared_projection(n_in, kernel, *xs), (kernel, xs)
+
+
+def _shared_projection_bwd(n_in, saved, dys):
+    kernel, xs = saved
+    n_out = kernel.ndim - n_in
+    dkernel, dxs = jnp.zeros(kernel.shape, jnp.float32), []
+    for x, dy in zip(xs, dys, strict=True):
+        batch = tuple(range(x.ndim - n_in))
+        out = tuple(range(dy.ndim - n_out, dy.ndim))
+        dxs.append(
+            jax.lax.dot_general(dy, kernel, ((out, tuple(range(n_in, kernel.ndim))), ((), ())))
         )
+        dkernel = dkernel + jax.lax.dot_general(
+            x, dy, ((batch, batch), ((), ())), preferred_element_type=jnp.float32
+        )
+    return (dkernel.astype(kernel.dtype), *dxs)
+
+
+_shared_projection.defvjp(_shared_projection_fwd, _shared_projection_bwd)
 
 
 class MLP(nn.Module):

@@ -156,14 +156,18 @@ class LongSelfAttention(nn.Module):
     ) -> jax.Array:
         c, length = self.config, x_BLD.shape[1]
         q_BLHK = nn.with_logical_constraint(self.query(x_BLD), HEADS)
-        k_BLHK = nn.with_logical_constraint(self.key(x_BLD), HEADS)
-        v_BLHK = nn.with_logical_constraint(self.value(x_BLD), HEADS)
         side = None
-        if blocks is not None:  # also when G = 0 (inputs shorter than a block), for the params
+        if blocks is None:
+            k_BLHK, v_BLHK = self.key(x_BLD), self.value(x_BLD)
+        else:  # also when G = 0 (inputs shorter than a block), for the params
             num_globals = length // c.global_block_size
             agg_BGD = global_aggregates(x_BLD, blocks.block_ids, num_globals)
             g_BGD = self.global_input_layer_norm(agg_BGD)
-            side = (self.key(g_BGD), self.value(g_BGD))
+            # The tokens' and the side keys (values) by one kernel each, used twice.
+            (k_BLHK, side_k), (v_BLHK, side_v) = self.key(x_BLD, g_BGD), self.value(x_BLD, g_BGD)
+            side = (side_k, side_v)
+        k_BLHK = nn.with_logical_constraint(k_BLHK, HEADS)
+        v_BLHK = nn.with_logical_constraint(v_BLHK, HEADS)
         if c.attention_kernel == "pallas":
             out_BLHK = self._fused(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
                                    side, side_table_HR, rows)  # fmt: skip

@@ -103,13 +103,15 @@ def run(
     c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
     k = runner.chunk_length(held, f"{type(parent).__name__} layers")
     rngs = {} if deterministic else {"dropout": parent.make_rng("dropout")}
-    # The parameters reach the layers in float32, cast where each is used: a parameter used
-    # twice (TGlobal's key and value, on tokens and on global aggregates) then sums its two
-    # gradients in float32. Cast once here, they would sum in the compute dtype.
+    # A layer uses its parameters in the compute dtype only, so a chunk casts them once: not
+    # again in the forward, the recomputation and the backward, and the backward stacks the
+    # layers' gradients in that dtype. A kernel used twice in a layer sums its gradients in
+    # float32 itself (`layers.Projection` given several inputs).
     chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
 
     def stage_fn(params, h, rows, shared, index):
         layers = index * k + jnp.arange(k)
+        params = jax.tree.map(lambda p: p.astype(c.compute_dtype), params)
 
         def apply(h, *args):
             return chunk.apply({"params": params}, h, layers, *args, rngs=rngs)[0]

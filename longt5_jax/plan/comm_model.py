@@ -158,10 +158,10 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
     if s.pipeline > 1:
         pipe = Pipeline(s.pipeline, s.pipeline_microbatches, s.repeats)
         stage = pipe.iterations / (pipe.microbatches * pipe.repeats) / s.pipeline
-    # TGlobal's side keys and values add a backward all-reduce: the gradient of the block sums
-    # they are projected from, spread back over the tokens.
+    # TGlobal's side keys and values add none: the gradient of the block sums they are
+    # projected from is reduced with the tokens' (`layers.Projection` takes both inputs).
     side = c.attention == "transient-global"
-    enc = c.num_encoder_layers * stage * (4 + side + again[0]) * s.length
+    enc = c.num_encoder_layers * stage * (4 + again[0]) * s.length
     dec = c.num_decoder_layers * stage * (6 + again[1]) * s.target
     # The encoder output's gradient from every decoder layer's cross keys and values: summed
     # over the layers and reduced once, except without remat, where XLA reduces each layer's
