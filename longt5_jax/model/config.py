@@ -48,9 +48,9 @@ class LongT5Config:
     # Parameters are always float32; this is the dtype of activations and matmul inputs.
     dtype: str = "float32"
     remat: str = "none"
-    # The layer stacks as one scan each (a short compile), or unrolled: without remat, no scan
-    # buffers for a GPU step to zero-fill and copy its saved activations through (with remat it
-    # gains nothing); parameters keep their [layers, ...] layout either way.
+    # The layer stacks as one scan each (a short compile), or unrolled: no scan buffers for a GPU
+    # step to zero-fill and copy saved activations, each layer's parameters and their gradients
+    # through; parameters keep their [layers, ...] layout either way.
     scan_layers: bool = True
     # Attention: "xla" (the reference, score tensors in memory) or "pallas" (fused kernels for
     # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
