@@ -66,9 +66,9 @@ fi
 
 first="${cases%% *}"
 second=$(echo "$cases" | awk '{print $2}')
-# Case by case, kernels (scanned, and unrolled without remat) then XLA, so that a run cut short
-# by the budget still pairs them; the two goal cases, then transformers' step on the first, the
-# rest.
+# Case by case, kernels (scanned, and unrolled where step 2 says) then XLA, so that a run cut
+# short by the budget still pairs them; the two goal cases, then transformers' step on the
+# first, the rest.
 for case in $cases; do
   for variant in pallas pallas:unrolled xla; do
     kernel=${variant%%:*}

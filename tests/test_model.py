@@ -137,16 +137,14 @@ def test_a_kernel_used_twice_sums_its_gradients_in_float32_and_rounds_once():
     )
     kernel = nn.unbox(proj.init(k[4], x1, x2))["params"]["kernel"].astype(jnp.bfloat16)
 
-    def both(k):
-        return proj.apply({"params": {"kernel": k}}, x1, x2)
+    def project(k, *xs):
+        return proj.apply({"params": {"kernel": k}}, *xs)
 
-    (y1, y2), vjp = jax.vjp(both, kernel)
-    dkernel = vjp((dy1, dy2))[0]
+    (y1, y2), vjp = jax.vjp(project, kernel, x1, x2)
+    dkernel, *dxs = vjp((dy1, dy2))
     # The outputs and the inputs' gradients are each use's own.
-    apply = lambda *xs: proj.apply({"params": {"kernel": kernel}}, *xs)  # noqa: E731
-    dxs = jax.vjp(apply, x1, x2)[1]((dy1, dy2))
     for x, y, dy, dx in zip([x1, x2], [y1, y2], [dy1, dy2], dxs, strict=True):
-        one, one_vjp = jax.vjp(apply, x)
+        one, one_vjp = jax.vjp(lambda x: project(kernel, x), x)
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(one, np.float32))
         np.testing.assert_array_equal(
             np.asarray(dx, np.float32), np.asarray(one_vjp(dy)[0], np.float32)

@@ -200,17 +200,16 @@ def _shared_projection_fwd(n_in, kernel, *xs):
 
 def _shared_projection_bwd(n_in, saved, dys):
     kernel, xs = saved
-    n_out = kernel.ndim - n_in
-    dkernel, dxs = jnp.zeros(kernel.shape, jnp.float32), []
-    for x, dy in zip(xs, dys, strict=True):
-        batch = tuple(range(x.ndim - n_in))
-        out = tuple(range(dy.ndim - n_out, dy.ndim))
-        dxs.append(
-            jax.lax.dot_general(dy, kernel, ((out, tuple(range(n_in, kernel.ndim))), ((), ())))
-        )
-        dkernel = dkernel + jax.lax.dot_general(
-            x, dy, ((batch, batch), ((), ())), preferred_element_type=jnp.float32
-        )
+    # The inputs' gradients are a plain projection's; the kernel's come out in float32.
+    dxs = [
+        jax.vjp(lambda x: _project(n_in, x, kernel), x)[1](dy)[0]
+        for x, dy in zip(xs, dys, strict=True)
+    ]
+    dkernel = sum(
+        jax.lax.dot_general(x, dy, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+        for x, dy in zip(xs, dys, strict=True)
+        for lead in [tuple(range(x.ndim - n_in))]
+    )
     return (dkernel.astype(kernel.dtype), *dxs)
 
 

@@ -14,7 +14,7 @@ data (size d), once per step:
 tensor (size t), per microbatch (Megatron): an all-reduce of the [rows, length, embed]
     activations after each sublayer's row-parallel projection, forward and backward, and those
     the recomputed forward repeats (all under full remat, one under save_dots): 2 + 2 (+2 | +1)
-    per encoder layer (TGlobal: one more backward, for the block sums its side keys come from),
+    per encoder layer (TGlobal's block sums, which its side keys come from, reduced with them),
     3 + 3 (+3 | +1) per decoder layer; the encoder output's gradient from the cross-attention
     keys and values (once, or per layer without remat); one per embedding lookup
     (vocabulary-parallel) and the LM head's input gradient (float32);
@@ -160,7 +160,6 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
         stage = pipe.iterations / (pipe.microbatches * pipe.repeats) / s.pipeline
     # TGlobal's side keys and values add none: the gradient of the block sums they are
     # projected from is reduced with the tokens' (`layers.Projection` takes both inputs).
-    side = c.attention == "transient-global"
     enc = c.num_encoder_layers * stage * (4 + again[0]) * s.length
     dec = c.num_decoder_layers * stage * (6 + again[1]) * s.target
     # The encoder output's gradient from every decoder layer's cross keys and values: summed
@@ -177,7 +176,8 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
     if c.remat != "full":  # the backward gathers each sublayer's input again (kept split)
         again = c.num_encoder_layers * 2 * s.length + c.num_decoder_layers * 3 * s.target
         _add(out, "all-gather", "tensor", rows * d * b * stage * again, t)
-    if side:  # tokens split over tensor: the block sums, and the side bias per token, regroup
+    # Tokens split over tensor: TGlobal's block sums, and the side bias per token, regroup.
+    if c.attention == "transient-global":
         g = s.length // c.global_block_size
         layers, remat = c.num_encoder_layers * stage, c.remat != "none"
         _add(out, "all-reduce", "tensor", layers * (2 + remat) * rows * g * d * 4, t)
