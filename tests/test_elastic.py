@@ -17,15 +17,17 @@ from longt5_jax import train
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.objectives import split_sentences
 
-# Processes of each segment of 2 steps. Packed: 1->2, 2->4, 4->2, 2->1, the last segment on
-# another mesh (data 8, ZeRO-1); unpacked, whose rows all stand at one position: 2->4, 4->1.
-# A chain starts and ends on one process where it can: those segments run in the test's own
-# process, whose programs are compiled already, while each process started costs ~12 CPU-s.
-CHAINS = {True: (1, 2, 4, 2, 1), False: (2, 4, 1)}
+# Processes of each segment of 2 steps. Packed summarization: 1->2, 2->4, 4->2, 2->1; the other
+# objectives packed: 1->4, 4->1 (their preprocessing's state is saved and split as
+# summarization's is); packed, the last segment runs on another mesh (data 8, ZeRO-1).
+# Unpacked, whose rows all stand at one position: 2->4, 4->1. A chain starts and ends on one
+# process where it can: those segments run in the test's own process, whose programs are
+# compiled already, while each process started costs ~12 CPU-s.
+LONG, SHORT, UNPACKED = (1, 2, 4, 2, 1), (1, 4, 1), (2, 4, 1)
 OTHER_MESH = ["--gin.ParallelConfig.data=8", "--gin.ParallelConfig.tensor=1", "--gin.ZERO_STAGE=1"]
 # One learning-rate schedule for every chain: every parametrisation then runs the same programs
 # (per process count and mesh), which later ones read back from the persistent cache.
-TOTAL_STEPS = 2 * max(map(len, CHAINS.values()))
+TOTAL_STEPS = 2 * len(LONG)
 
 
 def _short_docs(path):
@@ -41,20 +43,22 @@ def _short_docs(path):
 
 
 @pytest.mark.slow
-# Every objective packed (its preprocessing, then the packer's state, through the longer chain and
-# a change of mesh); unpacked once: an objective's state is the same code either way.
+# Every objective packed (its preprocessing, then the packer's state, through a chain and a
+# change of mesh); unpacked once: an objective's state is the same code either way.
 @pytest.mark.parametrize(
-    "objective, pack",
+    "objective, pack, chain",
     [
-        ("summarization", False),
-        ("summarization", True),
-        ("span_corruption", True),
-        ("gap_sentences", True),
+        ("summarization", False, UNPACKED),
+        ("summarization", True, LONG),
+        ("span_corruption", True, SHORT),
+        ("gap_sentences", True, SHORT),
     ],
+    ids=["summarization-unpacked", "summarization-packed", "span_corruption", "gap_sentences"],
 )
-def test_a_run_handed_between_process_counts_logs_the_one_process_losses(tmp_path, objective, pack):
+def test_a_run_handed_between_process_counts_logs_the_one_process_losses(
+    tmp_path, objective, pack, chain
+):
     _short_docs(tmp_path / "docs.jsonl")
-    chain = CHAINS[pack]
     steps = 2 * len(chain)
     args = [
         "--gin.DataConfig.task='files'",

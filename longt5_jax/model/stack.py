@@ -106,7 +106,9 @@ def run(
     # A layer uses its parameters in the compute dtype only, so a chunk casts them once: not
     # again in the forward, the recomputation and the backward, and the backward stacks the
     # layers' gradients in that dtype. A kernel used twice in a layer sums its gradients in
-    # float32 itself (`layers.Projection` given several inputs).
+    # float32 itself (`layers.Projection` given several inputs). The cast is inside stage_fn,
+    # not before the runner: a pipeline runs a chunk once per microbatch, and its gradients are
+    # summed over the microbatches in the parameters' float32 (the cast's transpose), not in bf16.
     chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
 
     def stage_fn(params, h, rows, shared, index):
