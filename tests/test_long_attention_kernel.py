@@ -89,7 +89,8 @@ def test_a_token_in_no_global_block_sees_no_side_key():
     assert max(errors.values()) <= TOLERANCE, errors
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
+# Without dropout in the slow run: the dropout case runs the same code and draws masks too.
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.2])
 def test_the_model_trains_the_same_with_the_kernels(dropout):
     """Loss and every parameter's gradient of a whole (tiny, TGlobal, padded) model, with and
     without dropout (the kernels drop the attention probabilities the XLA path drops)."""
@@ -127,7 +128,9 @@ def _triton_kernels(text: str) -> set[str]:
 
 
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-@pytest.mark.parametrize("target, dropout", [("h100-80gb", 0.0), ("a100-80gb", 0.1)])
+@pytest.mark.parametrize(
+    "target, dropout", [("h100-80gb", 0.1), pytest.param("a100-80gb", 0.0, marks=pytest.mark.slow)]
+)
 def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
     """Triton lowering and XLA's GPU compile of the single-device step, deviceless (with
     dropout: a step given a key, the hash inside every kernel)."""
@@ -246,7 +249,7 @@ def test_the_kernels_run_on_each_devices_rows_and_heads_and_move_no_more_bytes()
 # (data, tensor, pipeline, ZeRO stage), accumulation microbatches, attention dropout
 KERNEL_LAYOUTS = [
     ((2, 2, 1, 1), 1, 0.0),
-    ((4, 1, 1, 1), 1, 0.0),
+    pytest.param((4, 1, 1, 1), 1, 0.0, marks=pytest.mark.slow),  # data alone: its rows only
     ((2, 2, 1, 1), 1, 0.1),
     # Tensor parallel kernels inside the step's region: an accumulation loop, pipeline stages.
     pytest.param((2, 2, 1, 1), 2, 0.0, marks=pytest.mark.slow),
@@ -337,7 +340,9 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
     assert max(errors.values()) <= TOLERANCE, errors
 
 
-@pytest.mark.parametrize("case", ["tglobal_packed", "local", "tglobal_w32_packed"])
+@pytest.mark.parametrize(
+    "case", [pytest.param("tglobal_packed", marks=pytest.mark.slow), "local", "tglobal_w32_packed"]
+)
 def test_fused_attention_drops_out_what_the_xla_path_drops(case):
     """With attention dropout both paths draw `layers.attention_keep`'s masks from the layer's
     seed and the global row, head, query and key: outputs and gradients agree."""
