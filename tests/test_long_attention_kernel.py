@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from longt5_jax.bench import kernels
 from longt5_jax.model import LongT5Config, attention_kernel
 from longt5_jax.model import kernel_base as base
+from longt5_jax.model import long_attention_tiles as tiles
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
@@ -56,6 +57,20 @@ def test_fused_attention_matches_the_xla_path(case):
     # Every gradient is there: both bias tables, the input, the projections (and side norm).
     assert len(errors) == (9 if attention == "transient-global" else 7)
     assert max(errors.values()) <= TOLERANCE, errors
+
+
+@pytest.mark.parametrize("case, blocks", [("tglobal", 8), ("tglobal_w8_packed", 2)])
+def test_a_local_bias_gradient_program_sums_several_query_blocks(case, blocks, monkeypatch):
+    """Each program of the local bias gradient sums R query blocks where N / R programs still
+    fill the GPU (`tiles.DBIAS_PROGRAMS`); with one program enough, R is the largest of 8, 4,
+    2 dividing N: outputs and gradients as the XLA path's, with dropout too (rows of 3: a
+    program's loop runs over R blocks x the batch)."""
+    monkeypatch.setattr(tiles, "DBIAS_PROGRAMS", 1)
+    _, radius, k, batch, length, heads, _ = CASES[case]
+    q_BLHK = jax.ShapeDtypeStruct((batch, length, heads, 16), jnp.float32)
+    assert tiles.geometry(q_BLHK, radius + 1, 0, k).rb == blocks
+    test_fused_attention_matches_the_xla_path(case)
+    test_fused_attention_drops_out_what_the_xla_path_drops(case)
 
 
 def test_a_token_in_no_global_block_sees_no_side_key():

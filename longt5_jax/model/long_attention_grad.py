@@ -74,16 +74,21 @@ def _dkv_kernel(geo: tiles.Geometry, *refs):
 
 
 def _dbias_kernel(geo: tiles.Geometry, *refs):
-    """Local bias gradient of query block n, summed over the batch: [W, 3W] per (h, n)."""
+    """Local bias gradient of query blocks i R .. i R + R - 1, summed over them and the batch:
+    [W, 3W] per (h, i)."""
     out_ref, (own, _, drop_refs) = refs[-1], tiles.split_refs(geo, refs[:-1], 8)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, bias_ref = own
-    h, n = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(n * geo.w, geo.w)
+    h, i = pl.program_id(0), pl.program_id(1)
+    # lax's division of non-negative ints: jnp's floor division adds sign fix-ups, which
+    # Triton's lowering rejects.
+    batch = jnp.int32(geo.batch)
     for c, part in geo.local_chunks:
-        keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
         bias = tiles.local_bias(geo, bias_ref, c, part)
 
-        def one_row(b, acc, keys=keys, bias=bias, c=c, part=part):
+        def one_row(t, acc, bias=bias, c=c, part=part):
+            n, b = i * geo.rb + jax.lax.div(t, batch), jax.lax.rem(t, batch)
+            rows = pl.ds(n * geo.w, geo.w)
+            keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
             q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
             s = base.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias
             s = tiles.local_masked(geo, s, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
@@ -95,7 +100,7 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
 
         zeros = jnp.zeros((geo.w, geo.kb), jnp.float32)
         out_ref[:, tiles.local_columns(geo, c, part)] = jax.lax.fori_loop(
-            0, geo.batch, one_row, zeros
+            0, geo.rb * geo.batch, one_row, zeros
         )
 
 
@@ -175,10 +180,10 @@ def backward(geo: tiles.Geometry, res, do):
         functools.partial(_dbias_kernel, geo),
         "encoder_attention_dbias",
         geo.flops(2, 0),
-        (geo.heads, geo.n),
+        (geo.heads, geo.n // geo.rb),
         specs,
-        pl.BlockSpec((None, None, geo.w, 3 * geo.w), lambda h, n: (h, n, 0, 0)),
-        base.out((geo.heads, geo.n, geo.w, 3 * geo.w), jnp.float32, q),
+        pl.BlockSpec((None, None, geo.w, 3 * geo.w), lambda h, i: (h, i, 0, 0)),
+        base.out((geo.heads, geo.n // geo.rb, geo.w, 3 * geo.w), jnp.float32, q),
     )(*arrays).sum(1)
     d_side = (None,) * 3
     if geo.g:

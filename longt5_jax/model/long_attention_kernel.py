@@ -14,10 +14,11 @@ online softmax over all of them, invalid keys an additive NEG or -inf. HBM per p
 three k and v blocks, G side k and v rows (from L2 after the first head), the output and a [W]
 log-sum-exp. The backward recomputes the probabilities from that log-sum-exp (FlashAttention-2):
 dq by query block; local dk, dv by key block (its three query blocks); side dk, dv by chunk of
-side keys over all query blocks; the local bias gradient as [H, N, W, 3W] partial sums over the
-batch (XLA sums the N); the side bias gradient summed in-kernel over the tokens of each global
-block (a [U, W] one-hot matmul, U << W), then by distance in XLA. Rows that see no key (padding)
-output 0. Attention dropout is drawn per tile from `layers.attention_keep`, the XLA path's masks.
+side keys over all query blocks; the local bias gradient as [H, N / R, W, 3W] partial sums over
+the batch and R query blocks (XLA sums the rest); the side bias gradient summed in-kernel over
+the tokens of each global block (a [U, W] one-hot matmul, U << W), then by distance in XLA.
+Rows that see no key (padding) output 0. Attention dropout is drawn per tile from
+`layers.attention_keep`, the XLA path's masks.
 
 Each kernel declares its tensor-core FLOPs in its name (`NAME.flops_N`): XLA has no cost for a
 custom call, and `plan.roofline` reads them from there.

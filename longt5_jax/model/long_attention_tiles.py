@@ -40,6 +40,7 @@ class Geometry:
     u: int  # one-hot rows for the side bias gradient
     kb: int  # keys per chunk of a local key block (W / kb chunks a block)
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
+    rb: int = 1  # query blocks whose local bias gradient one program sums (R, dividing N)
 
     @property
     def parts(self) -> int:
@@ -74,7 +75,16 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
     # holds (at W = 128 with [W, W] tiles every kernel used all 255 registers and spilled;
     # ptxas, sm_90a).
     kb = w // 2 if w % 2 == 0 and w >= 32 else w
-    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, rate)
+    n = -(-length // w)
+    # The local bias gradient's programs each sum R consecutive query blocks' [W, 3W] (and
+    # the batch's), as many as leave DBIAS_PROGRAMS programs to fill the GPU: the [H, N / R,
+    # W, 3W] float32 partial sums XLA then adds up are R times smaller (at base 16k, 302 MB a
+    # layer written and read back with R = 1).
+    rb = next(r for r in (8, 4, 2, 1) if n % r == 0 and h * n // r >= DBIAS_PROGRAMS or r == 1)
+    return Geometry(b, h, k, w, n, g, c, u, kb, rate, rb)
+
+
+DBIAS_PROGRAMS = 256
 
 
 def tile(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1) -> pl.BlockSpec:
