@@ -79,28 +79,29 @@ def _dbias_kernel(geo: tiles.Geometry, *refs):
     out_ref, (own, _, drop_refs) = refs[-1], tiles.split_refs(geo, refs[:-1], 8)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, bias_ref = own
     h, i = pl.program_id(0), pl.program_id(1)
-    # lax's division of non-negative ints: jnp's floor division adds sign fix-ups, which
-    # Triton's lowering rejects.
-    batch = jnp.int32(geo.batch)
     for c, part in geo.local_chunks:
         bias = tiles.local_bias(geo, bias_ref, c, part)
 
-        def one_row(t, acc, bias=bias, c=c, part=part):
-            n, b = i * geo.rb + jax.lax.div(t, batch), jax.lax.rem(t, batch)
+        def one_block(r, acc, bias=bias, c=c, part=part):
+            n = i * geo.rb + r
             rows = pl.ds(n * geo.w, geo.w)
             keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
-            q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-            s = base.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias
-            s = tiles.local_masked(geo, s, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
-            p = base.probs(s, None, lse_ref[b, h, rows])
-            dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
             queries, key_ids = tiles.query_ids(geo, n), tiles.local_key_ids(geo, n, c, part)
-            scale = base.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
-            return acc + base.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
+
+            def one_row(b, acc):
+                q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
+                s = base.dot(q, k_ref[b, keys, h, :], trans_b=True) + bias
+                s = tiles.local_masked(geo, s, n, c, part, seg_ref[b, rows], seg_ref[b, keys])
+                p = base.probs(s, None, lse_ref[b, h, rows])
+                dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
+                scale = base.drop_scale(geo.rate, drop_refs, b, h, queries, key_ids)
+                return acc + base.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
+
+            return jax.lax.fori_loop(0, geo.batch, one_row, acc)
 
         zeros = jnp.zeros((geo.w, geo.kb), jnp.float32)
         out_ref[:, tiles.local_columns(geo, c, part)] = jax.lax.fori_loop(
-            0, geo.rb * geo.batch, one_row, zeros
+            0, geo.rb, one_block, zeros
         )
 
 
