@@ -40,7 +40,6 @@ class Geometry:
     u: int  # one-hot rows for the side bias gradient
     kb: int  # keys per chunk of a local key block (W / kb chunks a block)
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
-    rb: int = 1  # query blocks whose local bias gradient one program sums (R, dividing N)
 
     @property
     def parts(self) -> int:
@@ -51,6 +50,15 @@ class Geometry:
     def local_chunks(self) -> list[tuple[int, int]]:
         """(key block c of 0-2, part of it) of a query block's local keys, kb at a time."""
         return [(c, part) for c in range(3) for part in range(self.parts)]
+
+    @property
+    def rb(self) -> int:
+        """Query blocks R whose local bias gradient one program sums: the largest of 8, 4, 2
+        dividing N that leaves DBIAS_PROGRAMS programs (H N / R) to fill the GPU, so the
+        [H, N / R, W, 3W] float32 partial sums XLA then adds up are R times smaller (at base
+        16k, 302 MB a layer written and read back with R = 1)."""
+        n, h = self.n, self.heads
+        return next((r for r in (8, 4, 2) if n % r == 0 and h * n // r >= DBIAS_PROGRAMS), 1)
 
     @property
     def gp(self) -> int:
@@ -75,13 +83,7 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
     # holds (at W = 128 with [W, W] tiles every kernel used all 255 registers and spilled;
     # ptxas, sm_90a).
     kb = w // 2 if w % 2 == 0 and w >= 32 else w
-    n = -(-length // w)
-    # The local bias gradient's programs each sum R consecutive query blocks' [W, 3W] (and
-    # the batch's), as many as leave DBIAS_PROGRAMS programs to fill the GPU: the [H, N / R,
-    # W, 3W] float32 partial sums XLA then adds up are R times smaller (at base 16k, 302 MB a
-    # layer written and read back with R = 1).
-    rb = next(r for r in (8, 4, 2, 1) if n % r == 0 and h * n // r >= DBIAS_PROGRAMS or r == 1)
-    return Geometry(b, h, k, w, n, g, c, u, kb, rate, rb)
+    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, rate)
 
 
 DBIAS_PROGRAMS = 256
