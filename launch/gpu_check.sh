@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
-# dependencies importable, within BUDGET seconds (default 540), most important first:
-#   1. bench kernels: each kernel family against the XLA path (forward and every gradient,
-#      float32 and bfloat16) and the layer's time under several Triton launch settings;
-#      with BASELINE (a folder holding another version's longt5_jax package), that version's
-#      kernels timed on the same cases, in the same session;
-#   2. bench device: the train step with the kernels (launched with the fastest setting of 1),
-#      the same with the layers unrolled (--no-scan_layers: the goal cases, xl 4k with
-#      save_dots, the cases without remat), and with XLA's attention, case by case over CASES
-#      (the first two are the goal cases);
-#   3. transformers' step on the first case (after the two goal cases), then the remaining
-#      cases and a profiler trace of the first case's step (kernel by kernel), if time is left.
+# dependencies importable, within BUDGET seconds (default 540), most important first (device
+# time is lent by the minute, and a run cut short by the budget keeps what it measured):
+#   1. bench device on the goal cases (the first two of CASES): the train step with the
+#      kernels, then with XLA's attention, scanned layers, the kernels' default launch;
+#   2. bench kernels: each kernel family against the XLA path on the GPU (forward and every
+#      gradient, float32 and bfloat16), each kernel's time, registers and occupancy (--trace),
+#      the layer's time under the Triton launch settings of LAUNCHES; with BASELINE (a folder
+#      holding another version's longt5_jax package), that version's kernels on the same cases;
+#   3. the goal cases with the layers unrolled (--no-scan_layers) and the fastest launch of 2;
+#   4. a profiler trace of the first case's step (kernel by kernel);
+#   5. the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
+#      remat; then XLA), and transformers' step on the first case, if time is left.
 # (Nsight Compute 2025.3 crashed profiling the JAX process on an H100: segmentation fault, and
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
 # occupancy of each kernel from the profiler's trace instead.)
@@ -51,6 +52,21 @@ python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.
 'optax', optax.__version__, jax.devices())" 2>&1 | tee -a "$out/log.txt"
 python3 -c "import longt5_jax.bench.__main__" 2>&1 | tee -a "$out/log.txt" || exit 1
 
+# device CASE VARIANT [LAUNCH]: one step measurement; VARIANT is pallas, pallas:unrolled or xla.
+device() {
+  local case=$1 variant=$2 kernel=${2%%:*} layers=--scan_layers
+  [ "$variant" = "${kernel}:unrolled" ] && layers=--no-scan_layers
+  section "bench device $case $variant"
+  run 100 python3 -m longt5_jax.bench device --no-deviceless --steps 5 --warmup 2 \
+    --attention_kernel "$kernel" "$layers" --launch "${3:-}" \
+    --out_dir "$out/device_${variant//:/_}_${case//:/_}" --cases "$case"
+}
+
+read -r first second rest <<<"$cases"
+goals="$first ${second:-}"
+for case in $goals; do device "$case" pallas; done
+for case in $goals; do device "$case" xla; done
+
 section "bench kernels"
 # shellcheck disable=SC2086
 run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace \
@@ -64,31 +80,9 @@ if [ -n "$baseline" ]; then
     --repeats 5 --cases ${kernel_cases% *})
 fi
 
-first="${cases%% *}"
-second=$(echo "$cases" | awk '{print $2}')
-# Case by case, kernels (scanned, and unrolled where step 2 says) then XLA, so that a run cut
-# short by the budget still pairs them; the two goal cases, then transformers' step on the
-# first, the rest.
-for case in $cases; do
-  for variant in pallas pallas:unrolled xla; do
-    kernel=${variant%%:*}
-    layers=--scan_layers
-    if [ "$variant" = "${kernel}:unrolled" ]; then
-      # Deviceless, unrolling gains most without remat, and takes xl 4k past 40% roofline MFU.
-      case "$case" in "$first" | "$second" | xl:4096:*:save_dots | *:none) ;; *) continue ;; esac
-      layers=--no-scan_layers
-    fi
-    section "bench device $case $variant"
-    run 100 python3 -m longt5_jax.bench device --no-deviceless --steps 5 --warmup 2 \
-      --attention_kernel "$kernel" "$layers" --launch "$best" \
-      --out_dir "$out/device_${variant//:/_}_${case//:/_}" --cases "$case"
-  done
-  if [ "$case" = "${second:-$first}" ]; then
-    section "transformers on $first"
-    run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 --transformers \
-      --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" --cases "$first"
-  fi
-done
+# Deviceless, unrolling gains most without remat, and takes xl 4k past 40% roofline MFU.
+unrolls() { case "$1" in "$first" | "${second:-$first}" | xl:4096:*:save_dots | *:none) ;; *) return 1 ;; esac; }
+for case in $goals; do device "$case" pallas:unrolled "$best"; done
 
 section "profile of $first with the kernels"
 IFS=: read -r model length batch remat <<<"$first"
@@ -97,4 +91,13 @@ run 90 python3 -m longt5_jax.bench profile --preset "$model" --input_length "$le
   --attention_kernel pallas --top 30 --out_dir "$out/profile"
 find "$out/profile" -name "*.trace.json.gz" -exec cp {} "$out/profile/step.trace.json.gz" \;
 rm -rf "$out/profile/profile_trace" "$out/profile/profile_hlo.txt"
+
+for case in ${rest:-}; do
+  device "$case" pallas "$best"
+  unrolls "$case" && device "$case" pallas:unrolled "$best"
+  device "$case" xla
+done
+section "transformers on $first"
+run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 --transformers \
+  --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" --cases "$first"
 section "done"
