@@ -105,10 +105,13 @@ def test_a_token_in_no_global_block_sees_no_side_key():
 
 
 # Without dropout in the slow run: the dropout case runs the same code and draws masks too.
-@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.2])
-def test_the_model_trains_the_same_with_the_kernels(dropout):
+@pytest.mark.parametrize(
+    "dropout, remat", [pytest.param(0.0, "none", marks=pytest.mark.slow), (0.2, "save_attention")]
+)
+def test_the_model_trains_the_same_with_the_kernels(dropout, remat):
     """Loss and every parameter's gradient of a whole (tiny, TGlobal, padded) model, with and
-    without dropout (the kernels drop the attention probabilities the XLA path drops)."""
+    without dropout (the kernels drop the attention probabilities the XLA path drops), and
+    with the kernels' outputs kept by remat while the rest of each layer is recomputed."""
     xla = LongT5Config.preset("tiny", dropout_rate=dropout)
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(2, xla.vocab_size, (2, 27)), jnp.int32)
@@ -123,7 +126,7 @@ def test_the_model_trains_the_same_with_the_kernels(dropout):
 
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     want_loss, want = grad(params, xla)
-    got_loss, got = grad(params, dataclasses.replace(xla, attention_kernel="pallas"))
+    got_loss, got = grad(params, dataclasses.replace(xla, attention_kernel="pallas", remat=remat))
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert float(jnp.max(jnp.abs(g - w))) <= TOLERANCE * float(jnp.max(jnp.abs(w)))
@@ -142,23 +145,36 @@ def _triton_kernels(text: str) -> set[str]:
     return {k for k in KERNELS if f'name = "{k}.flops_' in text}
 
 
+def _calls(text: str, kernel: str) -> int:
+    """Call sites of a kernel in a compiled program (a scanned stack's: one per loop body)."""
+    return sum("custom-call(" in line and f'"{kernel}.flops_' in line for line in text.splitlines())
+
+
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 @pytest.mark.parametrize(
-    "target, dropout", [("h100-80gb", 0.1), pytest.param("a100-80gb", 0.0, marks=pytest.mark.slow)]
+    "target, dropout, remat",
+    [
+        ("h100-80gb", 0.1, "save_attention"),
+        pytest.param("a100-80gb", 0.0, "none", marks=pytest.mark.slow),
+    ],
 )
-def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout):
+def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, remat):
     """Triton lowering and XLA's GPU compile of the single-device step, deviceless (with
-    dropout: a step given a key, the hash inside every kernel)."""
+    dropout: a step given a key, the hash inside every kernel). Under save_attention each
+    forward kernel runs in the forward scan only, as without remat: the encoder's once, the
+    decoder's twice (self- and cross-attention); full remat compiles 2 and 4 call sites."""
     devices = targets.devices(targets.load(target), 1, 1)
-    config = dataclasses.replace(GPU_CONFIG, dropout_rate=dropout)
+    config = dataclasses.replace(GPU_CONFIG, dropout_rate=dropout, remat=remat)
     step = compile_ahead.sharded_step(
         config, ParallelConfig(1, 1, 1, 0), devices=devices, per_node=1
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct((), key.dtype, sharding=NamedSharding(step.mesh, PartitionSpec()))
     batch = compile_ahead.abstract_batch(step, 2, 128, 16)
-    compiled = step.lower(step.abstract_state, batch, rng if dropout else None).compile()
-    assert _triton_kernels(compiled.as_text()) == KERNELS
+    text = step.lower(step.abstract_state, batch, rng if dropout else None).compile().as_text()
+    assert _triton_kernels(text) == KERNELS
+    assert _calls(text, "encoder_attention_fwd") == 1
+    assert _calls(text, "decoder_attention_fwd") == 2
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from longt5_jax.errors import UsageError
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config
 from longt5_jax.model import kernel_base as base
+from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import compile_ahead, cost, flops, hlo, targets
@@ -123,8 +124,10 @@ def parse_case(text: str) -> tuple[str, int, int, str]:
     if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts[1:3]):
         raise ValueError(f"--cases {text!r}: expected MODEL:INPUT_LENGTH:BATCH[:REMAT]")
     remat = parts[3] if len(parts) == 4 else "full"
-    if remat not in ("none", "full", "save_dots"):
-        raise ValueError(f"--cases {text!r}: remat {remat!r} is not none, full or save_dots")
+    if remat not in REMAT_POLICIES:
+        raise ValueError(
+            f"--cases {text!r}: remat {remat!r} is not one of {', '.join(REMAT_POLICIES)}"
+        )
     return parts[0], int(parts[1]), int(parts[2]), remat
 
 

@@ -24,6 +24,7 @@ from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import RunFault
 from longt5_jax.model import LongT5Config
+from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.plan import hlo_module
 
 _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
@@ -35,7 +36,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--remat", default="none", choices=["none", "full", "save_dots"])
+    p.add_argument("--remat", default="none", choices=REMAT_POLICIES)
     p.add_argument("--input_length", type=int, default=4096)
     p.add_argument("--target_length", type=int, default=256)
     p.add_argument("--batch_size", type=int, default=1)

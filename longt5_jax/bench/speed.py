@@ -26,6 +26,7 @@ from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
+from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.plan import flops
 
 
@@ -34,11 +35,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="small")
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--dtype", default="float32", help="the model's activation dtype")
-    p.add_argument("--remat", default="none", choices=["none", "full", "save_dots"])
+    p.add_argument("--remat", default="none", choices=REMAT_POLICIES)
     p.add_argument(
         "--scaling_remat",
         default="full",
-        choices=["none", "full", "save_dots"],
+        choices=REMAT_POLICIES,
         help="remat of the length-scaling runs (16k inputs without remat need over 24 GiB)",
     )
     p.add_argument("--target_length", type=int, default=256)

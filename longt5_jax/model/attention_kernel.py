@@ -239,6 +239,7 @@ def _attention(tl, q, k, v, mask, bias, drop):
 
 def _attention_fwd(tl, q, k, v, mask, bias, drop):
     o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (base.ROWS, _STAT))
+    o, lse = base.saveable(o, lse)
     return o, (q, k, v, mask, bias, o, lse, drop)
 
 

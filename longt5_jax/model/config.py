@@ -18,7 +18,7 @@ _SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     "xxl": (4096, 10240, 64, 64, 24, 24),
 }
 
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 ATTENTION_KERNELS = ("xla", "pallas")
 _ATTENTION_ALIASES = {
     "local": "local",
@@ -47,6 +47,10 @@ class LongT5Config:
     layer_norm_eps: float = 1e-6
     # Parameters are always float32; this is the dtype of activations and matmul inputs.
     dtype: str = "float32"
+    # Rematerialisation of each layer in the backward pass: "none"; "full" (only the layer's
+    # input kept); "save_attention" (full, but the fused attention kernels' outputs and
+    # log-sum-exps kept, so no kernel's forward runs twice: the same as full on the XLA path);
+    # "save_dots" (the matmuls' outputs kept, the kernels' too).
     remat: str = "none"
     # The layer stacks as one scan each (a short compile), or unrolled: no scan buffers for a GPU
     # step to zero-fill and copy saved activations, each layer's parameters and their gradients

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -108,6 +109,17 @@ def _launch_of(name: str, wide: bool = False) -> dict:
     return {"num_warps": warps, "num_stages": min(stages, 2) if wide else stages}
 
 
+# What a kernel's backward reads from its forward beside its inputs: the output and the
+# log-sum-exp, named for the remat policies that keep them ("save_attention", "save_dots").
+# Recomputed, they cost a forward kernel again (on an H100 at base 16k, 12 x 1.2 ms of a 178
+# ms step); kept, a [B, L, H, K] bfloat16 and a [B, H, L] float32 array a layer.
+SAVED = "attention_kernel_outputs"
+
+
+def saveable(o, lse):
+    return checkpoint_name(o, SAVED), checkpoint_name(lse, SAVED)
+
+
 def whole() -> pl.BlockSpec:
     """The whole array, indexed in the kernel."""
     return pl.BlockSpec()
@@ -118,19 +130,33 @@ def dot(a, b, trans_b=False):
     return jnp.dot(a, b.T if trans_b else b, preferred_element_type=jnp.float32)
 
 
-def select_sum(onehot, x, into=None):
-    """onehot @ x (plus `into`) for a 0/1 bfloat16 `onehot` and float32 `x`, to float32
-    accuracy on the tensor cores: x split into three bfloat16 terms (8 bits of mantissa each,
-    24 together), each product exact, summed in float32; each product accumulates into the
-    last (Triton chains them as one accumulator). An IEEE float32 matmul would run on the CUDA
-    cores' FMAs: in the side gradient's kernel that took more instructions than all its other
-    matmuls."""
+def _terms(x):
+    """Float32 x as three bfloat16 terms of 8 mantissa bits each, hi + mid + lo == x."""
     hi = x.astype(jnp.bfloat16)
     rest = x - hi.astype(jnp.float32)
     mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def select_sum(onehot, x, into=None):
+    """onehot @ x (plus `into`) for a 0/1 bfloat16 `onehot` and float32 `x`, to float32
+    accuracy on the tensor cores: each term of x times the one-hot is exact, and the three are
+    summed in float32 (Triton chains them into one accumulator in the forward's side chunk; in
+    the side gradient's kernel it adds them, 3 FADDs an element). An IEEE float32 matmul would
+    run on the CUDA cores' FMAs: in the side gradient's kernel that took more instructions than
+    all its other matmuls."""
+    hi, mid, lo = _terms(x)
     total = dot(onehot, hi) if into is None else into + dot(onehot, hi)
     return total + dot(onehot, mid) + dot(onehot, lo)
+
+
+def select_sum_t(x, onehot):
+    """x.T @ onehot, float32-exact as `select_sum`: a [W, C] tile's rows summed by the one-hot's
+    [W, U] columns with C, not U << 64, as the matmul's rows (a warpgroup's 64). The side
+    gradient's per-block sums took 1,244 instructions a block as onehot.T @ x, 1,056 so (SASS,
+    sm_90a, base TGlobal 16k)."""
+    hi, mid, lo = _terms(x)
+    return dot(hi.T, onehot) + dot(mid.T, onehot) + dot(lo.T, onehot)
 
 
 # An invalid key's additive score: exact in bfloat16 (so `select_sum` carries it exactly), and
@@ -165,6 +191,24 @@ def exp(x):
 LOG2E = 1.4426950408889634
 
 
+def exp_minus(x, row):
+    """e^(x - row[:, None]) as 2^(x log2 e - row log2 e): on a GPU one FFMA and one MUFU.EX2 an
+    element, where the difference and then its scaling were an FADD and an FMUL (nvcc contracts
+    them; Triton's PTX here did not: SASS, sm_90a). Exact where the two roundings could differ
+    most: x = row = NEG (a row that has seen only invalid keys) gives 2^0, as NEG log2 e is a
+    float32 (NEG is a power of 2); x = -inf gives 0."""
+    if not _TRITON.get():
+        return exp(x - row[:, None])
+    shift = jnp.broadcast_to((row * -LOG2E)[:, None], x.shape)
+    return plgpu.elementwise_inline_asm(
+        "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, 0f3FB8AA3B, $2; ex2.approx.ftz.f32 $0, t; }",
+        args=[x, shift],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )[0]
+
+
 # Whether kernel bodies are being traced for Triton (else for the interpreter): `call` sets it.
 _TRITON: contextvars.ContextVar = contextvars.ContextVar("triton", default=False)
 
@@ -176,7 +220,7 @@ def _masked(s, valid):
 
 def probs(s, valid, lse):
     """Probabilities from the saved log-sum-exp."""
-    return exp(_masked(s, valid) - lse[:, None])
+    return exp_minus(_masked(s, valid), lse)
 
 
 def online(state, s, valid, v, scale=None):
@@ -188,7 +232,7 @@ def online(state, s, valid, v, scale=None):
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = exp(m - m_safe)
-    p = exp(s - m_safe[:, None])  # 0 where s is -inf
+    p = exp_minus(s, m_safe)  # 0 where s is -inf
     kept = p if scale is None else p * scale
     acc = acc * alpha[:, None] + dot(kept.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc

@@ -127,8 +127,7 @@ def _side_kernel(geo: tiles.Geometry, *refs):
         dv += base.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
         ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
         dk += base.dot(ds.astype(q.dtype).T, q)
-        onehot = (side_rows.u[None, :] == jnp.arange(geo.u)[:, None]).astype(jnp.bfloat16)
-        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = base.select_sum(onehot, ds)
+        r_ref[b, h, n, :, pl.ds(j * geo.c, geo.c)] = base.select_sum_t(ds, side_rows.onehot).T
         return dk, dv
 
     zeros = jnp.zeros((geo.c, geo.head_dim), jnp.float32)

@@ -165,7 +165,7 @@ def _attention(geo, q, k, v, seg, bias, side, gq, drop):
 
 
 def _attention_fwd(geo, q, k, v, seg, bias, side, gq, drop):
-    o, lse = _placed_forward(geo, q, k, v, seg, bias, side, gq, drop)
+    o, lse = base.saveable(*_placed_forward(geo, q, k, v, seg, bias, side, gq, drop))
     return o, (q, k, v, seg, bias, side, gq, o, lse, drop)
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model.config import LongT5Config
+from longt5_jax.model.kernel_base import SAVED
 
 
 class StackRunner(Protocol):
@@ -47,7 +48,14 @@ class WholeStack:
         return stage_fn(layer_params, x, per_microbatch, shared, 0)
 
 
-_REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_KERNEL_OUTPUTS = jax.checkpoint_policies.save_only_these_names(SAVED)
+_REMAT = {
+    "full": None,
+    "save_attention": _KERNEL_OUTPUTS,
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KERNEL_OUTPUTS
+    ),
+}
 
 
 def scanned(

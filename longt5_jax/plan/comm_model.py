@@ -150,9 +150,11 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
         return
     b, d = c.compute_dtype.itemsize, c.d_model
     rows = s.batch / s.data  # per step, over all microbatches
-    # All-reduces a layer's recomputed forward repeats: all of its own under full remat, one
-    # under save_dots (the projections' outputs are kept, reduced, for the others).
-    again = {"none": (0, 0), "save_dots": (1, 1), "full": (2, 3)}[c.remat]
+    # All-reduces a layer's recomputed forward repeats: all of its own under full remat (and
+    # save_attention, which keeps only what precedes the reduced projections), one under
+    # save_dots (the projections' outputs are kept, reduced, for the others).
+    remat = "full" if c.remat == "save_attention" else c.remat
+    again = {"none": (0, 0), "save_dots": (1, 1), "full": (2, 3)}[remat]
     # Pipelined, a stage runs its layers on every row, bubble iterations included.
     stage = 1.0
     if s.pipeline > 1:
@@ -165,7 +167,7 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
     # The encoder output's gradient from every decoder layer's cross keys and values: summed
     # over the layers and reduced once, except without remat, where XLA reduces each layer's
     # keys' and values' parts as they come.
-    encoded = (2 * c.num_decoder_layers * stage if c.remat == "none" else 1) * s.length
+    encoded = (2 * c.num_decoder_layers * stage if remat == "none" else 1) * s.length
     layers = rows * d * b * (enc + dec + encoded)
     head = rows / s.pipeline * d * 4 * (s.length + 2 * s.target)  # embeddings, LM head
     if not s.sequence_sharding:
@@ -173,17 +175,17 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
         return
     for kind in ("reduce-scatter", "all-gather"):
         _add(out, kind, "tensor", layers + head, t)
-    if c.remat != "full":  # the backward gathers each sublayer's input again (kept split)
+    if remat != "full":  # the backward gathers each sublayer's input again (kept split)
         again = c.num_encoder_layers * 2 * s.length + c.num_decoder_layers * 3 * s.target
         _add(out, "all-gather", "tensor", rows * d * b * stage * again, t)
     # Tokens split over tensor: TGlobal's block sums, and the side bias per token, regroup.
     if c.attention == "transient-global":
         g = s.length // c.global_block_size
-        layers, remat = c.num_encoder_layers * stage, c.remat != "none"
-        _add(out, "all-reduce", "tensor", layers * (2 + remat) * rows * g * d * 4, t)
+        layers, rerun = c.num_encoder_layers * stage, remat != "none"
+        _add(out, "all-reduce", "tensor", layers * (2 + rerun) * rows * g * d * 4, t)
         # The side bias comes from one table for the stack: computed once going forward, then
         # again in each layer's recomputation and for each layer's gradient.
-        _add(out, "all-to-all", "tensor", (1 + layers * (1 + remat)) * rows * g * s.length * 4, t)
+        _add(out, "all-to-all", "tensor", (1 + layers * (1 + rerun)) * rows * g * s.length * 4, t)
 
 
 def _pipeline(out: Volumes, shapes: ModelShapes, s: Layout) -> None:

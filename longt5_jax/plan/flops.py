@@ -85,7 +85,16 @@ def executed_flops_per_step(
 ) -> float:
     """Model FLOPs plus what rematerialisation recomputes: 'full' reruns each layer's forward,
     'save_dots' keeps the projections' outputs (dots without batch dimensions) and reruns the
-    attention matmuls; the LM head sits outside the remat'ed layers."""
+    attention matmuls; with the fused kernels ('pallas') 'save_attention' and 'save_dots' keep
+    the attention's outputs too and rerun none of its matmuls; the LM head sits outside the
+    remat'ed layers."""
     f = model_flops(c, input_length, target_length)
-    again = {"none": 0.0, "save_dots": f.attention, "full": f.encoder + f.decoder}[remat]
+    attention = 0.0 if c.attention_kernel == "pallas" else f.attention  # what is rerun of it
+    layers = f.encoder + f.decoder
+    again = {
+        "none": 0.0,
+        "full": layers,
+        "save_attention": layers - f.attention + attention,
+        "save_dots": attention,
+    }[remat]
     return batch_size * (f.train + again)
