@@ -48,6 +48,9 @@ class WholeStack:
         return stage_fn(layer_params, x, per_microbatch, shared, 0)
 
 
+# save_attention and save_dots keep what the fused attention kernels' backward reads from their
+# forward (`kernel_base.SAVED`), so no kernel's forward runs twice; with XLA's attention nothing
+# carries that name, and save_attention is full remat.
 _KERNEL_OUTPUTS = jax.checkpoint_policies.save_only_these_names(SAVED)
 _REMAT = {
     "full": None,
