@@ -21,7 +21,7 @@ set -uo pipefail
 out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 # The goal cases in the remat policy fastest with the kernels (each XLA step beside it: with XLA's
 # attention save_attention compiles to full's program), then full remat.
-cases="${CASES:-base:16384:2:save_attention xl:4096:1:save_dots base:16384:2:full xl:4096:1:full large:4096:4:save_attention base:4096:4:none xl:16384:1:save_attention}"
+cases="${CASES:-base:16384:2:save_attention xl:4096:1:save_dots base:16384:2:save_dots base:16384:2:full xl:4096:1:full large:4096:4:save_attention base:4096:4:none xl:16384:1:save_attention}"
 kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed base:decoder:4096:2:padded}"
 # 4 warps do not compile the encoder's backward (a boolean tile staged through shared memory).
 launches="${LAUNCHES:-encoder_*=8:2}"
