@@ -67,7 +67,10 @@ def test_device_benchmark_refuses_bad_cases_and_a_machine_without_a_gpu(tmp_path
     assert device.main(["--cases", "base:4096", "--out_dir", str(tmp_path)]) == 2
     assert "expected MODEL:INPUT_LENGTH:BATCH[:REMAT]" in capsys.readouterr().err
     assert device.main(["--cases", "base:4096:2:some", "--out_dir", str(tmp_path)]) == 2
-    assert "remat 'some' is not none, full or save_dots" in capsys.readouterr().err
+    assert (
+        "remat 'some' is not one of none, full, save_dots, save_attention"
+        in capsys.readouterr().err
+    )
     # The GPU run is a process of its own; on this CPU-only machine it reports no GPU.
     assert device.main(["--cases", "tiny:64:2:none", "--out_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
