@@ -134,6 +134,31 @@ def test_the_model_trains_the_same_with_the_kernels(dropout, remat):
         assert abs(float(want_loss) - float(grad(params, LongT5Config.preset("tiny"))[0])) > 1e-3
 
 
+def test_save_attention_is_full_remat_on_the_xla_path():
+    """With XLA's attention no array carries the kernels' name, so save_attention lowers to full
+    remat's program (the run files' policy costs nothing there); with the kernels it differs."""
+    ids = jnp.ones((2, 40), jnp.int32)
+    mask, targets = jnp.ones_like(ids), jnp.ones((2, 6), jnp.int32)
+    xla = LongT5Config.preset("tiny", num_encoder_layers=2, num_decoder_layers=2)
+    params = jax.eval_shape(lambda: LongT5(xla).init(jax.random.key(0), ids, mask, targets))
+
+    def lowered(config):
+        def loss(p):
+            return jnp.sum(LongT5(config).apply(p, ids, mask, targets))
+
+        text = jax.jit(jax.grad(loss)).lower(params).as_text()
+        return re.sub(r"loc\([^)]*\)", "", text)  # source locations differ by call
+
+    def programs(kernel):
+        c = dataclasses.replace(xla, attention_kernel=kernel)
+        return [lowered(dataclasses.replace(c, remat=r)) for r in ("full", "save_attention")]
+
+    full, saved = programs("xla")
+    assert full == saved
+    full, saved = programs("pallas")
+    assert full != saved
+
+
 GPU_CONFIG = LongT5Config.preset(
     "tiny", "tglobal", d_model=64, d_ff=256, d_kv=16, local_radius=15, attention_kernel="pallas"
 )
