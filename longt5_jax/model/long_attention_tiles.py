@@ -157,8 +157,7 @@ class SideRows(NamedTuple):
     queries in none, row u for global block `first` + u - 1 (the blocks a window meets are
     consecutive, `global_blocks` numbers them along the row)."""
 
-    u: jax.Array  # [W] int32, each query's row
-    onehot: jax.Array  # [W, U] bfloat16
+    onehot: jax.Array  # [W, U] bfloat16: each query's row
     first: jax.Array  # scalar int32 (G where no query is in a global block)
     segments: jax.Array  # [U] int32, the segment of each row's global block (-1: none)
 
@@ -171,7 +170,7 @@ def side_rows(geo: Geometry, gq, gseg_ref, b) -> SideRows:
     blocks = first - 1 + jnp.arange(geo.u)
     real = (jnp.arange(geo.u) > 0) & (blocks < geo.g)
     segments = jnp.where(real, gseg_ref[b, jnp.clip(blocks, 0, geo.g - 1)], -1)
-    return SideRows(u, onehot, first, segments)
+    return SideRows(onehot, first, segments)
 
 
 def side_slab(geo: Geometry, rows: SideRows, j, h, b, gseg_ref, sbias_ref):
