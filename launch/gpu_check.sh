@@ -8,7 +8,8 @@
 #      gradient, float32 and bfloat16), each kernel's time, registers and occupancy (--trace),
 #      the layer's time under the Triton launch settings of LAUNCHES; with BASELINE (a folder
 #      holding another version's longt5_jax package), that version's kernels on the same cases;
-#   3. the goal cases with the layers unrolled (--no-scan_layers) and the fastest launch of 2;
+#   3. the first goal case's step with the fastest launch of 2 (if not the default), the goal
+#      cases with the layers unrolled (--no-scan_layers) and that launch;
 #   4. a profiler trace of the first case's step (kernel by kernel);
 #   5. the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
 #      remat; then XLA), and transformers' step on the first case, if time is left.
@@ -23,8 +24,9 @@ out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 # base 16k with save_dots, then full remat.
 cases="${CASES:-base:16384:2:save_attention xl:4096:1:save_dots base:16384:2:save_dots base:16384:2:full xl:4096:1:full large:4096:4:save_attention base:4096:4:none xl:16384:1:save_attention}"
 kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed base:decoder:4096:2:padded}"
-# 4 warps do not compile the encoder's backward (a boolean tile staged through shared memory).
-launches="${LAUNCHES:-encoder_*=8:2}"
+# 4 warps do not compile the encoder's backward (a boolean tile staged through shared memory),
+# but do its forward and dq split into programs of half a query block (two an SM, deviceless).
+launches="${LAUNCHES:-encoder_attention_fwd=4:3:2,encoder_attention_dq=4:3:2 encoder_*=8:2}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
 mkdir -p "$out"
@@ -54,7 +56,8 @@ python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.
 'optax', optax.__version__, jax.devices())" 2>&1 | tee -a "$out/log.txt"
 python3 -c "import longt5_jax.bench.__main__" 2>&1 | tee -a "$out/log.txt" || exit 1
 
-# device CASE VARIANT [LAUNCH]: one step measurement; VARIANT is pallas, pallas:unrolled or xla.
+# device CASE VARIANT [LAUNCH]: one step measurement; VARIANT is pallas, pallas:unrolled,
+# pallas:launch (scanned, LAUNCH) or xla.
 # With XLA's attention save_attention compiles to full remat's program: measured once, as full.
 measured=" "
 device() {
@@ -83,6 +86,8 @@ run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace
   --cases $kernel_cases --launch "" $launches
 best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_launch') or '')" 2>/dev/null)
 section "fastest launch: '${best}'"
+# The first goal case's step with it, beside the default launch's above.
+[ -n "$best" ] && device "$first" pallas:launch "$best"
 if [ -n "$baseline" ]; then
   section "bench kernels, baseline $baseline"
   # shellcheck disable=SC2086

@@ -1,9 +1,12 @@
+import argparse
 import json
 import shutil
 
 import pytest
 
 from longt5_jax.bench import sass
+from longt5_jax.bench.device import launch_text, parse_launch
+from longt5_jax.plan import targets
 
 LISTING = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
@@ -33,6 +36,54 @@ def test_read_sass_counts_each_loop_body_by_class():
     assert loop["opcodes"]["BRA"] == 1
 
 
+THUNKS = """
+025: kCustomKernel [prev=024 (1)  | next=026 (1) ] encoder_attention_fwd_flops_135291469824 \
+grid: [2, 12, 256] threads: [128, 1, 1]  shared_memory: 72192 bytes
+026: kCustomKernel [prev=025 (1)  | next=027 (1) ] loop_add_fusion grid: [16, 1, 1] \
+threads: [128, 1, 1]  shared_memory: 0 bytes
+045: kCustomKernel [prev=041 (4)  | next=046 (1) ] encoder_attention_dside_flops_219043332096 \
+grid: [2, 12, 16] threads: [256, 1, 1]  shared_memory: 148096 bytes
+"""  # a backslash ends each line where XLA writes one line
+
+
+def test_each_kernels_launch_and_what_it_leaves_of_an_sm():
+    """Threads and shared memory from XLA's thunk sequence; programs an SM as CUDA allocates
+    (registers in units of 256 a warp, 1 KiB of shared memory a program kept): on an H100, 180
+    registers x 128 threads hold 2 programs (3 would need 70,656 registers of 65,536), 168 x 128
+    hold 3; 144.6 KiB of shared memory one."""
+    launches = sass.read_launches(THUNKS)
+    assert launches == {
+        ("encoder_attention_fwd", 135291469824): {
+            "programs": 6144, "threads": 128, "shared_bytes": 72192
+        },
+        ("encoder_attention_dside", 219043332096): {
+            "programs": 384, "threads": 256, "shared_bytes": 148096
+        },
+    }  # fmt: skip
+    h100 = targets.load("h100-80gb").spec
+    fwd = sass.occupancy(
+        {"registers": 180, **launches[("encoder_attention_fwd", 135291469824)]}, h100
+    )
+    assert fwd["programs_per_sm"] == 2 and fwd["limited_by"] == "registers"
+    assert fwd["occupancy"] == 8 / 64 and fwd["waves"] == 6144 / (2 * 132)
+    assert sass.occupancy({"registers": 168, "threads": 128, "shared_bytes": 0}
+                          | {"programs": 1}, h100)["programs_per_sm"] == 3  # fmt: skip
+    side = {"registers": 64, **launches[("encoder_attention_dside", 219043332096)]}
+    assert sass.occupancy(side, h100)["limited_by"] == "shared memory"
+    assert sass.occupancy(side, h100)["programs_per_sm"] == 1
+    a100 = targets.load("a100-80gb").spec  # 164 KiB of shared memory an SM
+    assert sass.occupancy({**side, "shared_bytes": 90000}, a100)["programs_per_sm"] == 1
+
+
+def test_launch_settings_parse_with_a_split_and_print_back():
+    text = "encoder_attention_fwd=4:3:2,*=8:2"
+    assert parse_launch(text) == (("encoder_attention_fwd", 4, 3, 2), ("*", 8, 2))
+    assert launch_text(parse_launch(text)) == text
+    for bad in ("encoder_*=4:3:3", "*=3:2", "*=8", "*=8:2:1:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="PATTERN=WARPS:STAGES"):
+            parse_launch(bad)
+
+
 def test_bench_sass_names_what_it_lacks_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(sass.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setenv("PATH", "")
@@ -56,6 +107,7 @@ def test_bench_sass_reads_every_kernel_of_a_compiled_layer(tmp_path, capsys):
     names = {f"encoder_attention_{k}" for k in ("fwd", "dq", "dkv", "dbias", "dside")}
     assert set(readings) == names
     assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in readings.values())
+    assert all(r["threads"] == 256 and r["programs_per_sm"] >= 1 for r in readings.values())
     [blocks] = readings["encoder_attention_dside"]["loops"]
     assert blocks["by_class"]["tensor"] >= 4 and blocks["by_class"]["exp"] >= 1
     assert "encoder_attention_fwd" in capsys.readouterr().out

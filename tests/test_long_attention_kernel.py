@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 import test_step
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
@@ -37,14 +38,30 @@ CASES = {
     "short_g0": ("transient-global", 3, 16, 2, 11, 2, False),
     # W = 32: local key blocks taken half at a time, as at the published sizes.
     "tglobal_w32_packed": ("transient-global", 31, 8, 1, 80, 2, True),
+    "local_w32": ("local", 31, 4, 2, 70, 2, False),
 }
+# The forward and dq with each query block split into two programs (`Geometry.splits`).
+SPLIT = (("encoder_attention_fwd", 4, 3, 2), ("encoder_attention_dq", 4, 3, 2))
 # Largest error of the output and of every gradient over the largest value of the XLA path's,
 # float32: measured worst 5.5e-7 over the encoder cases, 1.1e-6 over the decoder's (self_packed).
 TOLERANCE = 2e-6
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_fused_attention_matches_the_xla_path(case):
+@pytest.mark.parametrize(
+    "case, launch",
+    # local_w32 unsplit runs in the slow pass only: the default's paths are all in the others.
+    [
+        pytest.param(case, (), id=case, marks=[pytest.mark.slow] * (case == "local_w32"))
+        for case in sorted(CASES)
+    ]
+    + [
+        pytest.param(case, SPLIT, id=f"{case}-split")
+        for case in ("tglobal_w32_packed", "local_w32")
+    ],
+)
+def test_fused_attention_matches_the_xla_path(case, launch):
+    """Outputs and every gradient as the XLA path's; with SPLIT, the forward and dq programs
+    of half a query block each (W = 32: 16 rows), skipping the local keys beyond them."""
     attention, radius, k, batch, length, heads, packed = CASES[case]
     xla = LongT5Config.preset(
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads
@@ -52,11 +69,75 @@ def test_fused_attention_matches_the_xla_path(case):
     params, inputs, cotangent = kernels.layer_problem(xla, batch, length, packed)
     want = kernels.run_layer(xla, params, inputs, cotangent)
     fused = dataclasses.replace(xla, attention_kernel="pallas")
-    got = kernels.run_layer(fused, params, inputs, cotangent)
+    got = kernels.run_layer(fused, params, inputs, cotangent, launch=launch)
     errors = kernels.relative_errors(got, want, inputs["seg"][..., None] > 0)
     # Every gradient is there: both bias tables, the input, the projections (and side norm).
     assert len(errors) == (9 if attention == "transient-global" else 7)
     assert max(errors.values()) <= TOLERANCE, errors
+
+
+def test_a_split_query_block_skips_only_keys_beyond_its_queries():
+    """At the published W = 128 (key parts of 64): split in two, the second half of a query
+    block is beyond (distance > 127) the first part of the block before, the first half beyond
+    the last part of the block after, and nothing else; one local chunk in six is skipped."""
+    q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+    whole = tiles.geometry(q, 128, 0, 16)
+    with base.launch(SPLIT):
+        fwd = whole.splits("encoder_attention_fwd")
+        assert (fwd.split, fwd.qw) == (2, 64)
+        assert whole.splits("encoder_attention_dkv").split == 1
+    skipped = {chunk: fwd.beyond(*chunk) for chunk in fwd.local_chunks if fwd.beyond(*chunk)}
+    assert skipped == {(0, 0): (1,), (2, 1): (0,)}
+    # Brute force over every query and key of the chunk: all beyond, and the others not.
+    for c, part in fwd.local_chunks:
+        keys = (c - 1) * 128 + part * 64 + np.arange(64)
+        for half in range(2):
+            distance = np.abs(half * 64 + np.arange(64)[:, None] - keys[None, :])
+            assert (distance.min() > 127) == (half in fwd.beyond(c, part))
+    assert fwd.flops(2, 0) * 6 == whole.flops(2, 0) * 5
+    assert not any(whole.beyond(*chunk) for chunk in whole.local_chunks)
+    # A block too short to halve into whole tiles (W = 8) is not split.
+    with base.launch(SPLIT):
+        assert tiles.geometry(q, 8, 0, 16).splits("encoder_attention_fwd").split == 1
+
+
+def test_each_launch_setting_runs_its_own_program():
+    """`bench kernels --launch` times each setting's program: a second setting compiles anew
+    (the settings are no part of jit's cache key, so one jitted function ran the first
+    setting's program for all), and the split one runs twice the forward's programs."""
+    # A layer no other test runs, so that no earlier test has traced it under SPLIT.
+    config = LongT5Config.preset("tiny", "local", local_radius=31, attention_kernel="pallas")
+    params, inputs, cotangent = kernels.layer_problem(config, 1, 66, False)
+    kernels.run_layer(config, params, inputs, cotangent)
+    events = []
+
+    def listen(event, duration, **_):
+        events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        kernels.run_layer(config, params, inputs, cotangent, launch=SPLIT)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert "/jax/core/compile/jaxpr_trace_duration" in events, events  # traced under SPLIT
+    grids = {}
+    for launch in ((), SPLIT):
+        step = kernels.layer_loss_grad(config, "encoder", launch)
+        jaxpr = jax.make_jaxpr(step)(params, inputs, cotangent, inputs["x"])
+        grids[launch] = [
+            e.params["grid_mapping"].grid
+            for e in _eqns(jaxpr.jaxpr)
+            if e.primitive.name == "pallas_call" and "attention_fwd" in str(e.params["name"])
+        ]
+    assert [g[2] for g in grids[SPLIT]] == [2 * g[2] for g in grids[()]] != []
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("case, blocks", [("tglobal", 8), ("tglobal_w8_packed", 2)])
@@ -69,8 +150,8 @@ def test_a_local_bias_gradient_program_sums_several_query_blocks(case, blocks, m
     _, radius, k, batch, length, heads, _ = CASES[case]
     q_BLHK = jax.ShapeDtypeStruct((batch, length, heads, 16), jnp.float32)
     assert tiles.geometry(q_BLHK, radius + 1, 0, k).rb == blocks
-    test_fused_attention_matches_the_xla_path(case)
-    test_fused_attention_drops_out_what_the_xla_path_drops(case)
+    test_fused_attention_matches_the_xla_path(case, ())
+    test_fused_attention_drops_out_what_the_xla_path_drops(case, ())
 
 
 def test_a_token_in_no_global_block_sees_no_side_key():
@@ -204,12 +285,17 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, rem
 
 @pytest.mark.slow
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-def test_a_published_size_layer_compiles_for_an_h100():
+@pytest.mark.parametrize(
+    "launch",
+    [pytest.param((), id="default"), pytest.param(SPLIT, marks=pytest.mark.slow, id="split")],
+)
+def test_a_published_size_layer_compiles_for_an_h100(launch):
     """A base TGlobal layer (blocks of 128, chunks of 64 side keys) forward and backward,
-    deviceless for an H100: float32 tiles fit its shared memory (at 3 stages the side
-    gradient's kernel asked 264 KiB of 227 and the GPU refused it), and no bias table's gradient
-    is a scatter-add (XLA had fused the side table's sums by distance into one: B*H*N*U*G atomic
-    adds into 12 x 32 entries, 1 ms a layer on an H100)."""
+    deviceless for an H100, by default and with the forward and dq split into 4-warp programs
+    of 64 queries: float32 tiles fit its shared memory (at 3 stages the side gradient's kernel
+    asked 264 KiB of 227 and the GPU refused it), and no bias table's gradient is a scatter-add
+    (XLA had fused the side table's sums by distance into one: B*H*N*U*G atomic adds into 12 x
+    32 entries, 1 ms a layer on an H100)."""
     b, length = 1, 1024  # the shortest with chunks of 64 side keys
     # float32: the widest tiles (bfloat16 ones take half the shared memory).
     dtype = "float32"
@@ -231,13 +317,25 @@ def test_a_published_size_layer_compiles_for_an_h100():
     params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
     )
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+    def traced(*args):  # the launch settings in force where the kernels are traced
+        with base.launch(launch):
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+    grad = jax.jit(traced)
     # At the matmul precision users run (the tests ask for "highest", which makes the kernels'
     # float32 matmuls IEEE FMAs: no tensor-core tiles, nothing staged through shared memory).
     # A compile-only program cannot be read back from the persistent cache: not written there.
     with jax.default_matmul_precision("default"), compile_ahead._persistent_cache(False):
         text = grad.lower(params, x, *tables, ids, ids).compile().as_text()
     assert _triton_kernels(text) == {k for k in KERNELS if k.startswith("encoder")}
+    # The forward compiled is the launch's: its declared FLOPs count the local keys it skips.
+    q = jax.ShapeDtypeStruct((b, length, config.num_heads, config.d_kv), jnp.float32)
+    geo = tiles.geometry(q, config.local_radius + 1, length // config.global_block_size, 16)
+    with base.launch(launch):
+        flops = geo.splits("encoder_attention_fwd").flops(2, 2)
+    assert f'"encoder_attention_fwd.flops_{flops}"' in text
+    assert (flops < geo.flops(2, 2)) == bool(launch)
     # No scatter-add writes a bias table: each is a sum (a reduction, a one-hot matmul).
     table_type = re.escape(f"f32[{table[0]},{table[1]}]{{1,0}}")
     assert not re.search(rf"= {table_type} scatter\(", text)
@@ -397,11 +495,18 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param("tglobal_packed", marks=pytest.mark.slow), "local", "tglobal_w32_packed"]
+    "case, launch",
+    [
+        pytest.param("tglobal_packed", (), marks=pytest.mark.slow, id="tglobal_packed"),
+        pytest.param("local", (), id="local"),
+        pytest.param("tglobal_w32_packed", (), id="tglobal_w32_packed"),
+        pytest.param("tglobal_w32_packed", SPLIT, id="tglobal_w32_packed-split"),
+    ],
 )
-def test_fused_attention_drops_out_what_the_xla_path_drops(case):
+def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
     """With attention dropout both paths draw `layers.attention_keep`'s masks from the layer's
-    seed and the global row, head, query and key: outputs and gradients agree."""
+    seed and the global row, head, query and key: outputs and gradients agree (so with query
+    blocks split into programs too: the masks follow the rows, not the layout)."""
     attention, radius, k, batch, length, heads, packed = CASES[case]
     xla = LongT5Config.preset(
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads,
@@ -423,9 +528,9 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case):
         return out, grads
 
     want = run(xla)
-    errors = kernels.relative_errors(
-        run(dataclasses.replace(xla, attention_kernel="pallas")), want, inputs["seg"][..., None] > 0
-    )
+    with base.launch(launch):
+        got = run(dataclasses.replace(xla, attention_kernel="pallas"))
+    errors = kernels.relative_errors(got, want, inputs["seg"][..., None] > 0)
     assert max(errors.values()) <= TOLERANCE, errors
     # Dropout did drop: the output differs from the deterministic layer's.
     plain = kernels.run_layer(xla, params, inputs, cotangent)[0]

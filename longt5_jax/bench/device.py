@@ -99,23 +99,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_launch(text: str) -> tuple[tuple[str, int, int], ...]:
-    """'encoder_attention_fwd=8:3,*=4:2' -> ((pattern, warps, stages), ...)."""
+def parse_launch(text: str) -> tuple[tuple, ...]:
+    """'encoder_attention_fwd=4:3:2,*=4:2' -> ((pattern, warps, stages[, split]), ...)."""
     settings = []
     for item in filter(None, text.split(",")):
         pattern, _, numbers = item.partition("=")
-        warps, _, stages = numbers.partition(":")
-        numeric = warps.isdigit() and stages.isdigit()
-        if not (pattern and numeric and int(warps) in (1, 2, 4, 8, 16)):
+        values = numbers.split(":")
+        numeric = len(values) in (2, 3) and all(x.isdigit() for x in values)
+        known = numeric and int(values[0]) in (1, 2, 4, 8, 16) and values[2:] in ([], ["1"], ["2"])
+        if not (pattern and known):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: expected PATTERN=WARPS:STAGES (warps 1, 2, 4, 8 or 16)"
+                f"{item!r}: expected PATTERN=WARPS:STAGES[:SPLIT] (warps 1, 2, 4, 8 or 16; "
+                "split 1 or 2)"
             )
-        settings.append((pattern, int(warps), int(stages)))
+        settings.append((pattern, *map(int, values)))
     return tuple(settings)
 
 
 def launch_text(settings) -> str:
-    return ",".join(f"{p}={w}:{s}" for p, w, s in settings)
+    return ",".join(f"{s[0]}=" + ":".join(map(str, s[1:])) for s in settings)
 
 
 def parse_case(text: str) -> tuple[str, int, int, str]:

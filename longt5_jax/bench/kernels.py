@@ -146,22 +146,11 @@ def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0
 
 
 @functools.cache
-def layer_grad(config, kind: str, launch: tuple = ()):
-    """(params, inputs, cotangent, x) -> (output, gradients of the parameters, x and the float
-    inputs) of an encoder or decoder (`kind`) layer, its kernels launched with `launch`."""
-    grad = layer_loss_grad(config, kind)
-
-    def run(params, inputs, cotangent, x):
-        with base.launch(launch):
-            return grad(params, inputs, cotangent, x)
-
-    return run
-
-
-@functools.cache
-def layer_loss_grad(config, kind: str):
+def layer_loss_grad(config, kind: str, launch: tuple = ()):
     """Jitted (params, inputs, cotangent, x) -> ((loss, output), gradients of the parameters,
-    x and the float inputs) of an encoder or decoder layer."""
+    x and the float inputs) of an encoder or decoder (`kind`) layer, its kernels launched with
+    `launch`: a function of its own per setting, traced inside it (the setting is no part of
+    jit's cache key: one function would run the first setting's program for every one)."""
     if kind == "decoder":
         layer = _decoder_attention(config)
 
@@ -188,18 +177,20 @@ def layer_loss_grad(config, kind: str):
         return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
-    return jax.jit(
-        lambda params, inputs, cotangent, x: grad(
-            params, x, {k: inputs[k] for k in wrt}, inputs, cotangent
-        )
-    )
+
+    def run(params, inputs, cotangent, x):
+        with base.launch(launch):
+            return grad(params, x, {k: inputs[k] for k in wrt}, inputs, cotangent)
+
+    return jax.jit(run)
 
 
 def run_layer(config, params, inputs, cotangent, dtype="float32", launch=()):
     """(output, gradients) of the layer of `inputs` (a decoder's if they hold `encoded`) with
     `config` in `dtype` (inputs cast to it)."""
     config, kind, inputs = in_dtype(config, inputs, dtype)
-    (_, out), grads = layer_grad(config, kind, launch)(params, inputs, cotangent, inputs["x"])
+    step = layer_loss_grad(config, kind, launch)
+    (_, out), grads = step(params, inputs, cotangent, inputs["x"])
     return jax.block_until_ready((out, grads))
 
 

@@ -3,8 +3,10 @@
 Each case (`bench kernels`' MODEL:tglobal|local|decoder:LENGTH:BATCH:padded|packed) is one
 attention layer's forward and backward compiled for `--target` (an H100 by default) on this
 machine, without a GPU; every Triton kernel's PTX goes through ptxas (registers, spills) and
-its machine code through nvdisasm. Per kernel: registers, spilled bytes, instructions, and the
-instructions of each loop body by class. A loop body is what a program issues per tile of keys
+its machine code through nvdisasm. Per kernel: registers, spilled bytes, instructions, the
+launch (threads a program, shared memory, from XLA's thunk sequence) and what it leaves of the
+target's SMs (programs an SM holds: `occupancy`), and the instructions of each loop body by
+class. A loop body is what a program issues per tile of keys
 (or of queries, in the side and bias gradients): against the tensor-core instructions in it,
 the rest says whether a kernel is issue-bound (on an H100 four warp schedulers issue one
 instruction a cycle each; a 64x64x16 bf16 HGMMA keeps a quarter of the SM's tensor cores busy
@@ -27,6 +29,7 @@ import jax
 
 from longt5_jax import cli
 from longt5_jax.bench import kernels
+from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.plan import compile_ahead, targets
@@ -116,8 +119,55 @@ def read_ptx(path: Path, arch: str, workdir: Path) -> dict:
     }
 
 
-def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
-    """{kernel name: reading} of the case's layer forward and backward compiled for `target`."""
+# A kernel's launch in XLA's thunk sequence: its name (with the FLOPs it declares), grid,
+# threads and shared memory.
+_THUNK = re.compile(
+    r"(\w+?)_flops_(\d+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), \d+, \d+\]\s+"
+    r"shared_memory: (\d+) bytes"
+)
+
+
+def read_launches(text: str) -> dict[tuple[str, int], dict]:
+    """{(kernel, declared FLOPs): {programs, threads, shared_bytes}} of a thunk sequence."""
+    launches = {}
+    for m in _THUNK.finditer(text):
+        x, y, z, threads, shared = (int(g) for g in m.groups()[2:])
+        launches[(m.group(1), int(m.group(2)))] = {
+            "programs": x * y * z, "threads": threads, "shared_bytes": shared
+        }  # fmt: skip
+    return launches
+
+
+def occupancy(reading: dict, spec: str) -> dict:
+    """Programs of this kernel an SM of the target (GpuTargetConfig text) holds at once, what
+    limits them, the share of the SM's warps they are, and the waves of the whole grid. As
+    CUDA allocates: registers a warp in units of 256 (8 a thread), shared memory with 1 KiB a
+    program kept by the driver, at most 32 programs an SM."""
+
+    def field(name):
+        return int(re.search(rf"{name}:\s*(\d+)", spec).group(1))
+
+    warps = reading["threads"] // 32
+    warp_registers = -(-reading["registers"] * 32 // 256) * 256
+    limits = {
+        "registers": field("registers_per_core_limit") // warp_registers // warps,
+        "shared memory": field("shared_memory_per_core") // (reading["shared_bytes"] + 1024),
+        "threads": field("threads_per_core_limit") // reading["threads"],
+        "programs": 32,
+    }
+    held = min(limits.values())
+    sms = field("core_count")
+    return {
+        "programs_per_sm": held,
+        "limited_by": min(limits, key=limits.get),
+        "occupancy": held * warps * 32 / field("threads_per_core_limit"),
+        "waves": reading["programs"] / max(held * sms, 1),
+    }
+
+
+def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> dict[str, dict]:
+    """{kernel name: reading} of the case's layer forward and backward compiled for `target`
+    with the kernels' `launch` settings (`kernel_base.launch`)."""
     xla, (params, inputs, cotangent) = kernels.case_problem(case)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
     config, kind, inputs = kernels.in_dtype(pallas, inputs, dtype)
@@ -132,7 +182,7 @@ def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
     arch = "sm_" + spec.compute_capability.replace(".", "")
     arch += "a" if arch == "sm_90" else ""
     with tempfile.TemporaryDirectory() as tmp, compile_ahead._persistent_cache(False):
-        grad = kernels.layer_loss_grad(config, kind)
+        grad = kernels.layer_loss_grad(config, kind, launch)
         with jax.default_matmul_precision("default"):  # users' precision (tests ask "highest")
             grad.lower(*abstract).compile(compiler_options={"xla_dump_to": tmp})
         kernels_ptx = []
@@ -140,23 +190,33 @@ def compiled_kernels(case: str, target: str, dtype: str) -> dict[str, dict]:
             entry = re.search(r"\.entry\s+(\w+?)(?:_flops_(\d+))?\(", path.read_text())
             if entry and "attention" in entry.group(1):
                 kernels_ptx.append((entry.group(1), int(entry.group(2) or 0), path))
+        launches = {}
+        for path in Path(tmp).glob("*.thunk_sequence.txt"):
+            launches.update(read_launches(path.read_text()))
         readings = {}
         # The decoder's self- and cross-attention kernels share names: "#2" is the one of more
         # FLOPs, the cross-attention over the encoder's tokens.
-        for name, _, path in sorted(kernels_ptx, key=lambda x: x[:2]):
+        for name, flops, path in sorted(kernels_ptx, key=lambda x: x[:2]):
             key = name + "#2" * (name in readings)
-            readings[key] = read_ptx(path, arch, Path(tmp))
+            readings[key] = {
+                **read_ptx(path, arch, Path(tmp)), **launches[(name, flops)], "flops": flops
+            }  # fmt: skip
+            readings[key].update(occupancy(readings[key], spec.spec))
     return readings
 
 
 def _print(case: str, readings: dict, before: dict | None) -> None:
-    print(f"{case}: registers, spilled bytes, instructions; per loop body: instructions "
+    print(f"{case}: registers, spilled bytes, instructions, threads, shared KiB, programs an "
+          "SM (limited by), occupancy, waves; per loop body: instructions "
           "(tensor / exp / float / memory / other)")  # fmt: skip
     for name, r in readings.items():
         old = (before or {}).get(name, {})
         line = f"  {name:32s} {r['registers']:>4} {r['spill_bytes']:>5} {r['instructions']:>6}"
+        line += f" {r['threads']:>4} {r['shared_bytes'] / 1024:6.1f} {r['programs_per_sm']:>3}"
+        line += f" ({r['limited_by']}) {r['occupancy']:6.1%} {r['waves']:6.1f}"
         if old:
-            line += f"  (before {old['registers']} / {old['spill_bytes']} / {old['instructions']})"
+            line += f"  (before {old['registers']} / {old['spill_bytes']} / {old['instructions']}"
+            line += f" / {old.get('programs_per_sm', '?')} an SM)"
         print(line)
         for i, loop in enumerate(r["loops"]):
             c = [loop["by_class"].get(k, 0) for k in ("tensor", "exp", "float", "memory")]
@@ -185,6 +245,10 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--cases", nargs="+", default=kernels.CASES[:1], help=kernels.CASES[0])
     p.add_argument("--target", default="h100-80gb", help="a100-80gb or h100-80gb")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--launch", type=parse_launch, default=(), metavar="PATTERN=WARPS:STAGES[:SPLIT],...",
+        help="the kernels' launch settings (as bench kernels' --launch)",
+    )  # fmt: skip
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = p.parse_args(argv)
@@ -195,8 +259,9 @@ def _main(argv: list[str]) -> int:
     targets.prepare_environment()
     cases = {}
     for case in args.cases:
-        cases[case] = compiled_kernels(case, args.target, args.dtype)
+        cases[case] = compiled_kernels(case, args.target, args.dtype, args.launch)
         _print(case, cases[case], before.get(case))
     config = {**vars(args), "compare": str(args.compare) if args.compare else None}
+    config["launch"] = launch_text(args.launch)
     write_json(args.out_dir, "sass", {"config": config, "cases": cases})
     return 0

@@ -78,16 +78,18 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 # programs hold [128, 128] float32 score tiles, which 4 warps cannot keep in registers, and
 # three stages hide the loads of the next key block (the layer's forward and backward 12.5 ->
 # 10.1 ms at base 16k); the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against
-# 1.81 with 8:3).
-LAUNCH: tuple[tuple[str, int, int], ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2), ("*", 8, 2))
+# 1.81 with 8:3). An optional fourth number splits each query block of the encoder's forward
+# and dq into that many programs (`long_attention_tiles.Geometry.splits`; 1 if not given).
+LAUNCH: tuple[tuple, ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2), ("*", 8, 2))
 
 
 _LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)
 
 
-def launch(settings: tuple[tuple[str, int, int], ...]):
-    """Kernels traced inside this launch with `settings` ((pattern, warps, stages), first match
-    wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels` tries others."""
+def launch(settings: tuple[tuple, ...]):
+    """Kernels traced inside this launch with `settings` ((pattern, warps, stages[, split]),
+    first match wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels` tries
+    others."""
     return _bound(_LAUNCH, tuple(settings) + LAUNCH)
 
 
@@ -105,8 +107,19 @@ def _launch_of(name: str, wide: bool = False) -> dict:
     """Triton's launch settings of kernel `name`; `wide`: its tiles are float32, which take
     twice the shared memory per stage (at 3 stages the side gradient's kernel asked 264 KiB,
     where an H100 has 227), so at most 2 stages."""
-    warps, stages = next((w, s) for p, w, s in _LAUNCH.get() if fnmatch.fnmatchcase(name, p))
+    warps, stages = _setting(name)[1:3]
     return {"num_warps": warps, "num_stages": min(stages, 2) if wide else stages}
+
+
+def split_of(name: str) -> int:
+    """How many programs kernel `name` splits a query block into (its launch setting's fourth
+    number; 1 if none)."""
+    setting = _setting(name)
+    return setting[3] if len(setting) > 3 else 1
+
+
+def _setting(name: str) -> tuple:
+    return next(s for s in _LAUNCH.get() if fnmatch.fnmatchcase(name, s[0]))
 
 
 # What a kernel's backward reads from its forward beside its inputs: the output and the

@@ -20,9 +20,10 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
     q_ref, k_refs, v_refs = own[0], own[1:4], own[4:7]
     sq_ref, sk_refs, bias_ref = own[7], own[8:11], own[11]
     do_ref, lse_ref, delta_ref = own[12:15]
-    b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = pl.program_id(0), pl.program_id(1)
+    n, half, rows = tiles.query_part(geo, pl.program_id(2))
     q, seg_q, do = q_ref[...], sq_ref[...], do_ref[...]
-    lse, delta, rows = lse_ref[...], delta_ref[...], tiles.query_ids(geo, n)
+    lse, delta = lse_ref[...], delta_ref[...]
 
     def grad(keys, s, k, v):
         scale = base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
@@ -30,12 +31,16 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
         ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta, scale)
         return base.dot(ds.astype(k.dtype), k)
 
-    dq = jnp.zeros((geo.w, geo.head_dim), jnp.float32)
+    dq = jnp.zeros((geo.qw, geo.head_dim), jnp.float32)
     for c, part in geo.local_chunks:
-        block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-        keys = tiles.local_key_ids(geo, n, c, part)
-        s, k, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
-        dq += grad(keys, s, k, v)
+
+        def local(dq, c=c, part=part):
+            block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
+            keys = tiles.local_key_ids(geo, n, c, part)
+            s, k, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
+            return dq + grad(keys, s, k, v)
+
+        dq = tiles.local_pass(geo, c, part, half, local, dq)
     if geo.g:
         side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
 
@@ -139,16 +144,18 @@ def _side_kernel(geo: tiles.Geometry, *refs):
 def backward(geo: tiles.Geometry, res, do):
     q, k, v, seg, bias, side, gq, o, lse, drop = res
     delta = jnp.einsum("blhk,blhk->bhl", do.astype(jnp.float32), o.astype(jnp.float32))
-    specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
-    specs += [tiles.tile(geo), tiles.stat(geo), tiles.stat(geo)]
+    dq_geo = geo.splits("encoder_attention_dq")
+    specs, arrays = tiles.local_inputs(dq_geo, q, k, v, seg, bias)
+    query = tiles.tile(dq_geo, rows=dq_geo.qw)
+    specs += [query] + [tiles.stat(dq_geo, rows=dq_geo.qw)] * 2
     arrays += [do, lse, delta]
     if geo.g:
-        side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
+        side_specs, side_arrays = tiles.side_inputs(dq_geo, side, gq)
         specs, arrays = specs + side_specs, arrays + side_arrays
     specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
     dq = base.call(
-        functools.partial(_dq_kernel, geo), "encoder_attention_dq", geo.flops(3, 3),
-        (geo.batch, geo.heads, geo.n), specs, tiles.tile(geo), base.out(q.shape, q.dtype, q),
+        functools.partial(_dq_kernel, dq_geo), "encoder_attention_dq", dq_geo.flops(3, 3),
+        (geo.batch, geo.heads, geo.n * dq_geo.split), specs, query, base.out(q.shape, q.dtype, q),
     )(*arrays)  # fmt: skip
 
     # One program per part of a key block.

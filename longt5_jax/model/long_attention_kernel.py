@@ -6,7 +6,8 @@ keys per chunk and U rows of the one-hot that sums a query block's side-bias gra
 block. Layout: q, k, v and the output stay [B, L, H, K] (no heads-major transposes): a block
 load [W, K] at (b, n, h) is a strided read.
 
-Per program of the forward (grid B x H x N), on chip: the query block [W, K], one key and value
+Per program of the forward (grid B x H x N; B x H x 2N with query blocks split in two by the
+launch settings, `Geometry.splits`), on chip: the query block [W, K], one key and value
 block [W, K] at a time (blocks n-1, n, n+1; the window is |i - j| < W), the [W, W] slice of the
 local bias, then the side keys and values C at a time with their [W, C] bias and mask as a
 one-hot matmul (`tiles.side_slab`: a query's side terms depend on its global block alone); one
@@ -48,21 +49,24 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
     (o_ref, lse_ref), (own, side_refs, drop_refs) = refs[-2:], tiles.split_refs(geo, refs[:-2], 12)
     q_ref, k_refs, v_refs = own[0], own[1:4], own[4:7]
     sq_ref, sk_refs, bias_ref = own[7], own[8:11], own[11]
-    b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = tiles.query_ids(geo, n)
+    b, h = pl.program_id(0), pl.program_id(1)
+    n, half, rows = tiles.query_part(geo, pl.program_id(2))
     q, seg_q = q_ref[...], sq_ref[...]
     state = (
-        jnp.full((geo.w,), -jnp.inf, jnp.float32),
-        jnp.zeros((geo.w,), jnp.float32),
-        jnp.zeros((geo.w, geo.head_dim), jnp.float32),
+        jnp.full((geo.qw,), -jnp.inf, jnp.float32),
+        jnp.zeros((geo.qw,), jnp.float32),
+        jnp.zeros((geo.qw, geo.head_dim), jnp.float32),
     )
     for c, part in geo.local_chunks:
-        block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-        s, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
-        keys = tiles.local_key_ids(geo, n, c, part)
-        state = base.online(
-            state, s, None, v, base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
-        )
+
+        def local(state, c=c, part=part):
+            block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
+            s, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
+            keys = tiles.local_key_ids(geo, n, c, part)
+            scale = base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+            return base.online(state, s, None, v, scale)
+
+        state = tiles.local_pass(geo, c, part, half, local, state)
     if geo.g:
         side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
 
@@ -83,6 +87,8 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
 
 
 def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, drop):
+    name = "encoder_attention_fwd"
+    geo = geo.splits(name)
     specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
     if geo.g:
         side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
@@ -91,11 +97,11 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, dro
     b, length = seg.shape
     return base.call(
         functools.partial(_fwd_kernel, geo),
-        "encoder_attention_fwd",
+        name,
         geo.flops(2, 2),
-        (geo.batch, geo.heads, geo.n),
+        (geo.batch, geo.heads, geo.n * geo.split),
         specs,
-        [tiles.tile(geo), tiles.stat(geo)],
+        [tiles.tile(geo, rows=geo.qw), tiles.stat(geo, rows=geo.qw)],
         [
             base.out(q.shape, q.dtype, q),
             base.out((b, geo.heads, length), jnp.float32, q),

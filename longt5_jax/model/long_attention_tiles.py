@@ -6,6 +6,8 @@ the decoder's kernels share too is in `kernel_base`. Letter key as `long_attenti
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -40,6 +42,7 @@ class Geometry:
     u: int  # one-hot rows for the side bias gradient
     kb: int  # keys per chunk of a local key block (W / kb chunks a block)
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
+    split: int = 1  # programs a query block of the forward and dq (`splits`), each qw rows
 
     @property
     def parts(self) -> int:
@@ -47,9 +50,28 @@ class Geometry:
         return self.w // self.kb
 
     @property
+    def qw(self) -> int:
+        """Query rows a program of the forward and dq holds."""
+        return self.w // self.split
+
+    @property
     def local_chunks(self) -> list[tuple[int, int]]:
         """(key block c of 0-2, part of it) of a query block's local keys, kb at a time."""
         return [(c, part) for c in range(3) for part in range(self.parts)]
+
+    def beyond(self, c: int, part: int) -> tuple[int, ...]:
+        """The parts of a query block (of `split`) whose every query is beyond the radius (W - 1)
+        of every key of part `part` of key block n - 1 + c: their scores are all NEG, so they
+        skip that chunk (at W = 128 and split 2, one chunk in six)."""
+        keys = (part * self.kb, (part + 1) * self.kb - 1)  # first and last, within the block
+
+        def nearest(s):  # the least |query - key| over part s of the queries and those keys
+            rows = (s * self.qw, (s + 1) * self.qw - 1)
+            if c == 0:
+                return self.w + rows[0] - keys[1]
+            return self.w + keys[0] - rows[1] if c == 2 else 0
+
+        return tuple(s for s in range(self.split) if nearest(s) > self.w - 1)
 
     @property
     def rb(self) -> int:
@@ -65,11 +87,25 @@ class Geometry:
         return -(-self.g // self.c) * self.c if self.g else 0
 
     def flops(self, local_matmuls: int, side_matmuls: int) -> int:
-        """Tensor-core FLOPs of a kernel doing these [W, K] x [K, keys] matmuls per query block."""
+        """Tensor-core FLOPs of a kernel doing these [qw, K] x [K, keys] matmuls per part of a
+        query block (the local keys it does not skip, `beyond`)."""
+        local = sum(self.split - len(self.beyond(*chunk)) for chunk in self.local_chunks)
         per_block = (
-            2 * self.w * self.head_dim * (3 * self.w * local_matmuls + self.gp * side_matmuls)
+            2 * self.qw * self.head_dim * self.kb * local * local_matmuls
+            + 2 * self.w * self.head_dim * self.gp * side_matmuls
         )
         return self.batch * self.heads * self.n * per_block
+
+    def splits(self, name: str) -> Geometry:
+        """This geometry for kernel `name`, its query blocks split as its launch settings say
+        (`kernel_base.split_of`) where a part is a whole tile: the local key parts' size, at
+        least 16 rows. Why: a program of W = 128 rows and 8 warps holds an H100's registers
+        alone; two of 64 rows and 4 warps fit one SM together and wait on nothing of each
+        other's, and each skips the local keys beyond all its queries (`beyond`). Not measured
+        on a GPU yet: `bench kernels --launch` times it."""
+        split = base.split_of(name)
+        fits = split == 1 or (self.w % split == 0 and self.w // split == self.kb >= 16)
+        return dataclasses.replace(self, split=split if fits else 1)
 
 
 def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
@@ -89,34 +125,38 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
 DBIAS_PROGRAMS = 256
 
 
-def tile(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1) -> pl.BlockSpec:
+def tile(
+    geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1, rows: int = 0
+) -> pl.BlockSpec:
     """[W, K] of a [B, L, H, K] array at block n + shift (clamped), for grid axes (b, h, n)
-    (n // per where the grid has `per` programs a block)."""
-    last = geo.n - 1
+    (n // per where the grid has `per` programs a block); `rows`: [rows, K] at n, unshifted."""
+    last = geo.n * geo.w // (rows or geo.w) - 1
 
     def index(*ids):
         b, h, n = (ids[i] for i in order)
         return b, jnp.clip(n // per + shift, 0, last), h, 0
 
-    return pl.BlockSpec((None, geo.w, None, geo.head_dim), index)
+    return pl.BlockSpec((None, rows or geo.w, None, geo.head_dim), index)
 
 
-def row(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1) -> pl.BlockSpec:
-    """[W] of a [B, L] array at block n + shift (clamped; n // per as `tile`)."""
-    last = geo.n - 1
+def row(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1, rows: int = 0):
+    """[W] of a [B, L] array at block n + shift (clamped; n // per and `rows` as `tile`)."""
+    last = geo.n * geo.w // (rows or geo.w) - 1
 
     def index(*ids):
         b, _, n = (ids[i] for i in order)
         return b, jnp.clip(n // per + shift, 0, last)
 
-    return pl.BlockSpec((None, geo.w), index)
+    return pl.BlockSpec((None, rows or geo.w), index)
 
 
-def stat(geo: Geometry, shift: int = 0, per: int = 1) -> pl.BlockSpec:
-    """[W] of a [B, H, L] float32 statistic at block n + shift (clamped; n // per as `tile`)."""
-    last = geo.n - 1
+def stat(geo: Geometry, shift: int = 0, per: int = 1, rows: int = 0) -> pl.BlockSpec:
+    """[W] of a [B, H, L] float32 statistic at block n + shift (clamped; n // per and `rows`
+    as `tile`)."""
+    last = geo.n * geo.w // (rows or geo.w) - 1
     return pl.BlockSpec(
-        (None, None, geo.w), lambda b, h, n: (b, h, jnp.clip(n // per + shift, 0, last))
+        (None, None, rows or geo.w),
+        lambda b, h, n: (b, h, jnp.clip(n // per + shift, 0, last)),
     )
 
 
@@ -128,8 +168,11 @@ def key_part(geo: Geometry, rows: bool = False) -> pl.BlockSpec:
     return pl.BlockSpec((None, geo.kb, None, geo.head_dim), lambda b, h, n: (b, n, h, 0))
 
 
-def bias_spec(geo: Geometry) -> pl.BlockSpec:
-    return pl.BlockSpec((None, geo.w, 3 * geo.w), lambda b, h, n: (h, 0, 0))
+def bias_spec(geo: Geometry, rows: int = 0) -> pl.BlockSpec:
+    """The [W, 3W] local bias of head h (`rows`: its [rows, 3W] of program n's part of a query
+    block, grid axes (b, h, n) over the parts)."""
+    parts = geo.w // (rows or geo.w)
+    return pl.BlockSpec((None, rows or geo.w, 3 * geo.w), lambda b, h, n: (h, n % parts, 0))
 
 
 def local_masked(geo: Geometry, s, n, c, part, seg_q, seg_k):
@@ -229,8 +272,9 @@ def with_drop(geo: Geometry, specs: list, arrays: list, drop: base.Drop | None):
     return specs + [base.whole()] * 3, arrays + list(drop)
 
 
-def query_ids(geo: Geometry, n):
-    return n * geo.w + jnp.arange(geo.w)
+def query_ids(geo: Geometry, n, rows: int = 0):
+    """Token positions of query block n (`rows`: of part n of rows each)."""
+    return n * (rows or geo.w) + jnp.arange(rows or geo.w)
 
 
 def local_key_ids(geo: Geometry, n, c, part):
@@ -243,12 +287,31 @@ def side_key_ids(geo: Geometry, j):
 
 
 def local_inputs(geo: Geometry, q, k, v, seg, bias):
-    """In-specs and arrays of the local part, for grid (b, h, n) over query blocks."""
-    specs = [tile(geo)] + [tile(geo, s - 1) for s in range(3)] * 2
-    specs += [row(geo)] + [row(geo, s - 1) for s in range(3)] + [bias_spec(geo)]
+    """In-specs and arrays of the local part, for grid (b, h, n) over the parts of query blocks
+    (`Geometry.split` a block)."""
+    qw, per = geo.qw, geo.split
+    specs = [tile(geo, rows=qw)] + [tile(geo, s - 1, per=per) for s in range(3)] * 2
+    specs += [row(geo, rows=qw)] + [row(geo, s - 1, per=per) for s in range(3)]
+    specs += [bias_spec(geo, rows=qw)]
     return specs, [q, k, k, k, v, v, v, seg, seg, seg, seg, bias]
 
 
+def query_part(geo: Geometry, n):
+    """(query block, part of it, token positions) of program n of the forward or dq."""
+    return n // geo.split, n % geo.split, query_ids(geo, n, geo.qw)
+
+
+def local_pass(geo: Geometry, c: int, part: int, half, fn, state):
+    """fn(state) for local chunk (c, part), or state where this part of the query block is
+    beyond its keys (`Geometry.beyond`)."""
+    skip = geo.beyond(c, part)
+    if not skip:
+        return fn(state)
+    skipped = functools.reduce(operator.or_, [half == s for s in skip])
+    return jax.lax.cond(skipped, lambda s: s, fn, state)
+
+
 def side_inputs(geo: Geometry, side: Side, gq):
-    specs = [base.whole(), base.whole(), row(geo), base.whole(), base.whole()]
+    """In-specs and arrays of the side keys, for the grid of `local_inputs`."""
+    specs = [base.whole(), base.whole(), row(geo, rows=geo.qw), base.whole(), base.whole()]
     return specs, [side.k_BGHK, side.v_BGHK, gq, side.global_segment_ids, side.bias_HD]
