@@ -286,8 +286,7 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, rem
 @pytest.mark.slow
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 @pytest.mark.parametrize(
-    "launch",
-    [pytest.param((), id="default"), pytest.param(SPLIT, marks=pytest.mark.slow, id="split")],
+    "launch", [pytest.param((), id="default"), pytest.param(SPLIT, id="split")]
 )
 def test_a_published_size_layer_compiles_for_an_h100(launch):
     """A base TGlobal layer (blocks of 128, chunks of 64 side keys) forward and backward,
