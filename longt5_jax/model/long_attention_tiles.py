@@ -125,38 +125,43 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
 DBIAS_PROGRAMS = 256
 
 
+def _rows(geo: Geometry, rows: int) -> tuple[int, int]:
+    """(rows a block spec takes, its last block index): `rows` (W where 0) of an [L] axis."""
+    size = rows or geo.w
+    return size, geo.n * geo.w // size - 1
+
+
 def tile(
     geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1, rows: int = 0
 ) -> pl.BlockSpec:
     """[W, K] of a [B, L, H, K] array at block n + shift (clamped), for grid axes (b, h, n)
     (n // per where the grid has `per` programs a block); `rows`: [rows, K] at n, unshifted."""
-    last = geo.n * geo.w // (rows or geo.w) - 1
+    size, last = _rows(geo, rows)
 
     def index(*ids):
         b, h, n = (ids[i] for i in order)
         return b, jnp.clip(n // per + shift, 0, last), h, 0
 
-    return pl.BlockSpec((None, rows or geo.w, None, geo.head_dim), index)
+    return pl.BlockSpec((None, size, None, geo.head_dim), index)
 
 
 def row(geo: Geometry, shift: int = 0, order=(0, 1, 2), per: int = 1, rows: int = 0):
     """[W] of a [B, L] array at block n + shift (clamped; n // per and `rows` as `tile`)."""
-    last = geo.n * geo.w // (rows or geo.w) - 1
+    size, last = _rows(geo, rows)
 
     def index(*ids):
         b, _, n = (ids[i] for i in order)
         return b, jnp.clip(n // per + shift, 0, last)
 
-    return pl.BlockSpec((None, rows or geo.w), index)
+    return pl.BlockSpec((None, size), index)
 
 
 def stat(geo: Geometry, shift: int = 0, per: int = 1, rows: int = 0) -> pl.BlockSpec:
     """[W] of a [B, H, L] float32 statistic at block n + shift (clamped; n // per and `rows`
     as `tile`)."""
-    last = geo.n * geo.w // (rows or geo.w) - 1
+    size, last = _rows(geo, rows)
     return pl.BlockSpec(
-        (None, None, rows or geo.w),
-        lambda b, h, n: (b, h, jnp.clip(n // per + shift, 0, last)),
+        (None, None, size), lambda b, h, n: (b, h, jnp.clip(n // per + shift, 0, last))
     )
 
 
@@ -171,8 +176,9 @@ def key_part(geo: Geometry, rows: bool = False) -> pl.BlockSpec:
 def bias_spec(geo: Geometry, rows: int = 0) -> pl.BlockSpec:
     """The [W, 3W] local bias of head h (`rows`: its [rows, 3W] of program n's part of a query
     block, grid axes (b, h, n) over the parts)."""
-    parts = geo.w // (rows or geo.w)
-    return pl.BlockSpec((None, rows or geo.w, 3 * geo.w), lambda b, h, n: (h, n % parts, 0))
+    size, _ = _rows(geo, rows)
+    parts = geo.w // size
+    return pl.BlockSpec((None, size, 3 * geo.w), lambda b, h, n: (h, n % parts, 0))
 
 
 def local_masked(geo: Geometry, s, n, c, part, seg_q, seg_k):
@@ -274,7 +280,8 @@ def with_drop(geo: Geometry, specs: list, arrays: list, drop: base.Drop | None):
 
 def query_ids(geo: Geometry, n, rows: int = 0):
     """Token positions of query block n (`rows`: of part n of rows each)."""
-    return n * (rows or geo.w) + jnp.arange(rows or geo.w)
+    size, _ = _rows(geo, rows)
+    return n * size + jnp.arange(size)
 
 
 def local_key_ids(geo: Geometry, n, c, part):
