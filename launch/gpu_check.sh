@@ -13,6 +13,9 @@
 #   4. a profiler trace of the first case's step (kernel by kernel);
 #   5. the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
 #      remat; then XLA), and transformers' step on the first case, if time is left.
+# STEPS picks and orders these sections (default "goals xla kernels launch unrolled profile rest
+# transformers"; "launch" times each goal case with the default launch, if not yet, then with the
+# fastest), to spend a short lease on what is new; PROFILE, the cases profiled (the first).
 # (Nsight Compute 2025.3 crashed profiling the JAX process on an H100: segmentation fault, and
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
 # occupancy of each kernel from the profiler's trace instead.)
@@ -62,14 +65,13 @@ python3 -c "import longt5_jax.bench.__main__" 2>&1 | tee -a "$out/log.txt" || ex
 measured=" "
 device() {
   local case=$1 variant=$2 kernel=${2%%:*} layers=--scan_layers limit=100
-  if [ "$kernel" = xla ]; then
-    case=${case/%:save_attention/:full}
-    [[ "$measured" == *" $case "* ]] && return 0
-    measured+="$case "
-  fi
+  # With XLA's attention save_attention compiles to full remat's program: measured once, as full.
+  [ "$kernel" = xla ] && case=${case/%:save_attention/:full}
+  [[ "$measured" == *" $case/$variant/${3:-} "* ]] && return 0
+  measured+="$case/$variant/${3:-} "
   # Unrolled, base 16k's step compiled for over 100 s on an H100's host (2026-11-27).
   [ "$variant" = "${kernel}:unrolled" ] && layers=--no-scan_layers limit=200
-  section "bench device $case $variant"
+  section "bench device $case $variant ${3:-}"
   run "$limit" python3 -m longt5_jax.bench device --no-deviceless --steps 5 --warmup 2 \
     --attention_kernel "$kernel" "$layers" --launch "${3:-}" \
     --out_dir "$out/device_${variant//:/_}_${case//:/_}" --cases "$case"
@@ -77,42 +79,62 @@ device() {
 
 read -r first second rest <<<"$cases"
 goals="$first ${second:-}"
-for case in $goals; do device "$case" pallas; done
-for case in $goals; do device "$case" xla; done
-
-section "bench kernels"
-# shellcheck disable=SC2086
-run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace \
-  --cases $kernel_cases --launch "" $launches
-best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_launch') or '')" 2>/dev/null)
-section "fastest launch: '${best}'"
-# The first goal case's step with it, beside the default launch's above.
-[ -n "$best" ] && device "$first" pallas:launch "$best"
-if [ -n "$baseline" ]; then
-  section "bench kernels, baseline $baseline"
-  # shellcheck disable=SC2086
-  (cd "$baseline" && run 80 python3 -m longt5_jax.bench kernels --out_dir "$out/baseline" \
-    --repeats 5 --cases ${kernel_cases% *})
-fi
-
+best=""
 # Deviceless, unrolling gains most without remat and with save_dots (xl 4k past 40% roofline MFU).
 unrolls() { case "$1" in *:save_dots | *:none) ;; *) return 1 ;; esac; }
-for case in $goals; do device "$case" pallas:unrolled "$best"; done
 
-section "profile of $first with the kernels"
-IFS=: read -r model length batch remat <<<"$first"
-run 90 python3 -m longt5_jax.bench profile --preset "$model" --input_length "$length" \
-  --batch_size "$batch" --remat "$remat" --dtype bfloat16 --target_length 512 \
-  --attention_kernel pallas --top 30 --out_dir "$out/profile"
-find "$out/profile" -name "*.trace.json.gz" -exec cp {} "$out/profile/step.trace.json.gz" \;
-rm -rf "$out/profile/profile_trace" "$out/profile/profile_hlo.txt"
-
-for case in ${rest:-}; do
-  device "$case" pallas "$best"
-  unrolls "$case" && device "$case" pallas:unrolled "$best"
-  device "$case" xla
+step_goals() { for case in $goals; do device "$case" pallas; done; }
+step_xla() { for case in $goals; do device "$case" xla; done; }
+step_kernels() {
+  section "bench kernels"
+  # The first setting is the one checked against XLA on the GPU.
+  # shellcheck disable=SC2086
+  run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace \
+    --cases $kernel_cases --launch $launches ""
+  best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_launch') or '')" 2>/dev/null)
+  section "fastest launch: '${best}'"
+  if [ -n "$baseline" ]; then
+    section "bench kernels, baseline $baseline"
+    # shellcheck disable=SC2086
+    (cd "$baseline" && run 80 python3 -m longt5_jax.bench kernels --out_dir "$out/baseline" \
+      --repeats 5 --cases ${kernel_cases% *})
+  fi
+}
+# Each goal case's step with the fastest launch, beside the default's.
+step_launch() {
+  for case in $goals; do
+    device "$case" pallas
+    [ -n "$best" ] && device "$case" pallas:launch "$best"
+  done
+}
+step_unrolled() { for case in $goals; do device "$case" pallas:unrolled "$best"; done; }
+step_profile() {
+  local dir
+  for case in ${PROFILE:-$first}; do
+    section "profile of $case with the kernels"
+    IFS=: read -r model length batch remat <<<"$case"
+    dir="$out/profile_${case//:/_}"
+    run 90 python3 -m longt5_jax.bench profile --preset "$model" --input_length "$length" \
+      --batch_size "$batch" --remat "$remat" --dtype bfloat16 --target_length 512 \
+      --attention_kernel pallas --launch "$best" --top 30 --out_dir "$dir"
+    find "$dir" -name "*.trace.json.gz" -exec cp {} "$dir/step.trace.json.gz" \;
+    rm -rf "$dir/profile_trace" "$dir/profile_hlo.txt"
+  done
+}
+step_rest() {
+  for case in ${rest:-}; do
+    device "$case" pallas "$best"
+    unrolls "$case" && device "$case" pallas:unrolled "$best"
+    device "$case" xla
+  done
+}
+step_transformers() {
+  section "transformers on $first"
+  run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 \
+    --transformers --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" \
+    --cases "$first"
+}
+for step in ${STEPS:-goals xla kernels launch unrolled profile rest transformers}; do
+  "step_$step"
 done
-section "transformers on $first"
-run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 --transformers \
-  --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" --cases "$first"
 section "done"

@@ -560,15 +560,17 @@ def test_launch_settings_reach_the_triton_calls():
 @pytest.mark.slow
 def test_bench_kernels_checks_both_families_and_times_launch_settings(tmp_path):
     """`bench kernels` on CPU (interpreted): the encoder and decoder layers' float32 kernels
-    within the tolerance of the XLA path, each launch setting timed, the fastest named."""
+    within the tolerance of the XLA path, each launch setting timed (and traced: the first
+    setting's kernels are `pallas_kernels`, each other's its own), the fastest named."""
     cases = ["tiny:tglobal:150:1:packed", "tiny:decoder:70:1:padded"]
     launches = ["", "*=8:1"]
     args = ["--cases", *cases, "--repeats", "1", "--launch", *launches, "--out_dir", str(tmp_path)]
-    assert kernels.main(args) == 0
+    assert kernels.main([*args, "--trace"]) == 0
     report = json.loads((tmp_path / "kernels.json").read_text())
     assert [c["case"] for c in report["cases"]] == cases
     for case in report["cases"]:
         assert max(case["pallas_float32"].values()) <= TOLERANCE, case
         assert set(case["launch_seconds"]) == set(launches)
+        assert set(case["launch_kernels"]) == {"*=8:1"}
     assert report["best_launch"] in launches
     assert kernels.main(["--launch", "*=3:2"]) == 2  # 3 warps: one line, no work

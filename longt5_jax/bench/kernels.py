@@ -272,15 +272,18 @@ def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False
             )
     if repeats and len(launches) > 1:
         report["launch_seconds"], report["launch_errors"] = {}, {}
+        if trace:
+            report["launch_kernels"] = {}
         for launch in launches:
+            run = functools.partial(run_layer, pallas, *problem, "bfloat16", launch)
             try:
-                seconds = _time(
-                    lambda x=launch: run_layer(pallas, *problem, "bfloat16", x), repeats
-                )
+                seconds = _time(run, repeats)
             except Exception as e:  # a setting the GPU cannot launch (registers, shared memory)
                 report["launch_errors"][launch_text(launch)] = str(e).splitlines()[0][:300]
                 continue
             report["launch_seconds"][launch_text(launch)] = seconds
+            if trace and launch != first:  # the first's kernels are pallas_kernels
+                report["launch_kernels"][launch_text(launch)] = _kernel_times(run)
     return report
 
 
@@ -298,6 +301,9 @@ def _print(report: dict) -> None:
     if "pallas_kernels" in report:
         print("  the kernels' layer, bf16, forward and backward, by kernel:")
         profile.print_kernels(report["pallas_kernels"], 12)
+    for launch, kernels in report.get("launch_kernels", {}).items():
+        print(f"  by kernel with --launch {launch or '(default)'}:")
+        profile.print_kernels(kernels, 12)
 
 
 def main(argv: list[str] | None = None) -> int:

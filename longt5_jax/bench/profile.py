@@ -21,9 +21,11 @@ import jax
 
 from longt5_jax import cli
 from longt5_jax.bench import train_steps as ts
+from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import RunFault
 from longt5_jax.model import LongT5Config
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.plan import hlo_module
 
@@ -41,6 +43,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target_length", type=int, default=256)
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--top", type=int, default=20, help="ops listed one by one")
+    p.add_argument(
+        "--launch",
+        type=parse_launch,
+        default=(),
+        help="Triton launch settings of the kernels: PATTERN=WARPS:STAGES[,...] by kernel name",
+    )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p.parse_args(argv)
 
@@ -220,7 +228,8 @@ def _main(argv: list[str]) -> int:
         attention_kernel=args.attention_kernel,
     )
     batch = ts.features(config, args.batch_size, args.input_length, args.target_length)
-    step = ts.OursStep(config, batch)
+    with base.launch(args.launch):  # read when the step is traced and compiled
+        step = ts.OursStep(config, batch)
     step()  # warm-up
     seconds = step()
     out = Path(args.out_dir)
@@ -230,7 +239,10 @@ def _main(argv: list[str]) -> int:
     trace = read_trace(trace_dir)
     report = {
         "device": str(jax.devices()[0]),
-        "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "config": {
+            **{k: v for k, v in vars(args).items() if k != "out_dir"},
+            "launch": launch_text(args.launch),
+        },
         "step_s": seconds,
         "breakdown": breakdown(trace, step.compiled.as_text(), args.top),
         "kernels": device_kernels(trace)[: args.top],
