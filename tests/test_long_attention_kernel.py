@@ -40,8 +40,10 @@ CASES = {
     "tglobal_w32_packed": ("transient-global", 31, 8, 1, 80, 2, True),
     "local_w32": ("local", 31, 4, 2, 70, 2, False),
 }
-# The forward and dq with each query block split into two programs (`Geometry.splits`).
+# TGlobal's forward and dq with each query block split into two programs (`Geometry.splits`),
+# and Local's whole (each the other way from its default, `kernel_base.LAUNCH`).
 SPLIT = (("encoder_attention_fwd", 4, 3, 2), ("encoder_attention_dq", 4, 3, 2))
+WHOLE = (("encoder_local_*", 8, 3),)
 # Largest error of the output and of every gradient over the largest value of the XLA path's,
 # float32: measured worst 5.5e-7 over the encoder cases, 1.1e-6 over the decoder's (self_packed).
 TOLERANCE = 2e-6
@@ -49,19 +51,18 @@ TOLERANCE = 2e-6
 
 @pytest.mark.parametrize(
     "case, launch",
-    # local_w32 unsplit runs in the slow pass only: the default's paths are all in the others.
-    [
-        pytest.param(case, (), id=case, marks=[pytest.mark.slow] * (case == "local_w32"))
-        for case in sorted(CASES)
-    ]
+    # Each at W = 32 the other way too; local_w32 whole in the slow pass only (tglobal_w32_packed
+    # runs the same local key parts whole).
+    [pytest.param(case, (), id=case) for case in sorted(CASES)]
     + [
-        pytest.param(case, SPLIT, id=f"{case}-split")
-        for case in ("tglobal_w32_packed", "local_w32")
+        pytest.param("tglobal_w32_packed", SPLIT, id="tglobal_w32_packed-split"),
+        pytest.param("local_w32", WHOLE, id="local_w32-whole", marks=pytest.mark.slow),
     ],
 )
 def test_fused_attention_matches_the_xla_path(case, launch):
-    """Outputs and every gradient as the XLA path's; with SPLIT, the forward and dq programs
-    of half a query block each (W = 32: 16 rows), skipping the local keys beyond them."""
+    """Outputs and every gradient as the XLA path's; split (Local's default, TGlobal with
+    SPLIT), the forward and dq programs of half a query block each (W = 32: 16 rows), skipping
+    the local keys beyond them."""
     attention, radius, k, batch, length, heads, packed = CASES[case]
     xla = LongT5Config.preset(
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads
@@ -79,13 +80,18 @@ def test_fused_attention_matches_the_xla_path(case, launch):
 def test_a_split_query_block_skips_only_keys_beyond_its_queries():
     """At the published W = 128 (key parts of 64): split in two, the second half of a query
     block is beyond (distance > 127) the first part of the block before, the first half beyond
-    the last part of the block after, and nothing else; one local chunk in six is skipped."""
+    the last part of the block after, and nothing else; one local chunk in six is skipped.
+    By default Local's forward and dq are split, TGlobal's not."""
     q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
     whole = tiles.geometry(q, 128, 0, 16)
+    fwd = whole.splits(whole.kernel("fwd"))
+    assert (fwd.split, fwd.qw) == (2, 64)
+    assert whole.splits(whole.kernel("dq")).split == 2
+    assert whole.splits(whole.kernel("dkv")).split == 1
+    tglobal = tiles.geometry(q, 128, 64, 16)
+    assert tglobal.splits(tglobal.kernel("fwd")).split == 1
     with base.launch(SPLIT):
-        fwd = whole.splits("encoder_attention_fwd")
-        assert (fwd.split, fwd.qw) == (2, 64)
-        assert whole.splits("encoder_attention_dkv").split == 1
+        assert tglobal.splits(tglobal.kernel("fwd")).split == 2
     skipped = {chunk: fwd.beyond(*chunk) for chunk in fwd.local_chunks if fwd.beyond(*chunk)}
     assert skipped == {(0, 0): (1,), (2, 1): (0,)}
     # Brute force over every query and key of the chunk: all beyond, and the others not.
@@ -97,15 +103,15 @@ def test_a_split_query_block_skips_only_keys_beyond_its_queries():
     assert fwd.flops(2, 0) * 6 == whole.flops(2, 0) * 5
     assert not any(whole.beyond(*chunk) for chunk in whole.local_chunks)
     # A block too short to halve into whole tiles (W = 8) is not split.
-    with base.launch(SPLIT):
-        assert tiles.geometry(q, 8, 0, 16).splits("encoder_attention_fwd").split == 1
+    short = tiles.geometry(q, 8, 0, 16)
+    assert short.splits(short.kernel("fwd")).split == 1
 
 
 def test_each_launch_setting_runs_its_own_program():
     """`bench kernels --launch` times each setting's program: a second setting compiles anew
     (the settings are no part of jit's cache key, so one jitted function ran the first
-    setting's program for all), and the split one runs twice the forward's programs."""
-    # A layer no other test runs, so that no earlier test has traced it under SPLIT.
+    setting's program for all), and the whole one half the (default) split forward's programs."""
+    # A layer no other test runs, so that no earlier test has traced it under WHOLE.
     config = LongT5Config.preset("tiny", "local", local_radius=31, attention_kernel="pallas")
     params, inputs, cotangent = kernels.layer_problem(config, 1, 66, False)
     kernels.run_layer(config, params, inputs, cotangent)
@@ -116,12 +122,12 @@ def test_each_launch_setting_runs_its_own_program():
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        kernels.run_layer(config, params, inputs, cotangent, launch=SPLIT)
+        kernels.run_layer(config, params, inputs, cotangent, launch=WHOLE)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert "/jax/core/compile/jaxpr_trace_duration" in events, events  # traced under SPLIT
+    assert "/jax/core/compile/jaxpr_trace_duration" in events, events  # traced under WHOLE
     grids = {}
-    for launch in ((), SPLIT):
+    for launch in ((), WHOLE):
         step = kernels.layer_loss_grad(config, "encoder", launch)
         jaxpr = jax.make_jaxpr(step)(params, inputs, cotangent, inputs["x"])
         grids[launch] = [
@@ -129,7 +135,7 @@ def test_each_launch_setting_runs_its_own_program():
             for e in _eqns(jaxpr.jaxpr)
             if e.primitive.name == "pallas_call" and "attention_fwd" in str(e.params["name"])
         ]
-    assert [g[2] for g in grids[SPLIT]] == [2 * g[2] for g in grids[()]] != []
+    assert [g[2] for g in grids[()]] == [2 * g[2] for g in grids[WHOLE]] != []
 
 
 def _eqns(jaxpr):

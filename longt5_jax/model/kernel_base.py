@@ -79,8 +79,17 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 # three stages hide the loads of the next key block (the layer's forward and backward 12.5 ->
 # 10.1 ms at base 16k); the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against
 # 1.81 with 8:3). An optional fourth number splits each query block of the encoder's forward
-# and dq into that many programs (`long_attention_tiles.Geometry.splits`; 1 if not given).
-LAUNCH: tuple[tuple, ...] = (("encoder_*", 8, 3), ("*_fwd", 4, 2), ("*", 8, 2))
+# and dq into that many programs (`long_attention_tiles.Geometry.splits`; 1 if not given): in
+# two of 4 warps, three of Local's fit an SM where one of 8 did (registers), and its forward
+# and dq ran 0.134 -> 0.096 and 0.142 -> 0.095 ms (xl Local 4k, the layer 1.95 -> 1.78 ms);
+# TGlobal's fit two, the same 8 warps, and ran 1.178 -> 1.257 and 1.176 -> 1.279 ms (base 16k).
+LAUNCH: tuple[tuple, ...] = (
+    ("encoder_local_attention_fwd", 4, 3, 2),
+    ("encoder_local_attention_dq", 4, 3, 2),
+    ("encoder_*", 8, 3),
+    ("*_fwd", 4, 2),
+    ("*", 8, 2),
+)
 
 
 _LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)

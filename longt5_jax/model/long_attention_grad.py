@@ -144,7 +144,7 @@ def _side_kernel(geo: tiles.Geometry, *refs):
 def backward(geo: tiles.Geometry, res, do):
     q, k, v, seg, bias, side, gq, o, lse, drop = res
     delta = jnp.einsum("blhk,blhk->bhl", do.astype(jnp.float32), o.astype(jnp.float32))
-    dq_geo = geo.splits("encoder_attention_dq")
+    dq_geo = geo.splits(geo.kernel("dq"))
     specs, arrays = tiles.local_inputs(dq_geo, q, k, v, seg, bias)
     query = tiles.tile(dq_geo, rows=dq_geo.qw)
     specs += [query] + [tiles.stat(dq_geo, rows=dq_geo.qw)] * 2
@@ -154,7 +154,7 @@ def backward(geo: tiles.Geometry, res, do):
         specs, arrays = specs + side_specs, arrays + side_arrays
     specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
     dq = base.call(
-        functools.partial(_dq_kernel, dq_geo), "encoder_attention_dq", dq_geo.flops(3, 3),
+        functools.partial(_dq_kernel, dq_geo), geo.kernel("dq"), dq_geo.flops(3, 3),
         (geo.batch, geo.heads, geo.n * dq_geo.split), specs, query, base.out(q.shape, q.dtype, q),
     )(*arrays)  # fmt: skip
 
@@ -173,7 +173,7 @@ def backward(geo: tiles.Geometry, res, do):
     )
     dk, dv = base.call(
         functools.partial(_dkv_kernel, geo),
-        "encoder_attention_dkv",
+        geo.kernel("dkv"),
         geo.flops(4, 0),
         (geo.batch, geo.heads, geo.n * per),
         specs,
@@ -185,7 +185,7 @@ def backward(geo: tiles.Geometry, res, do):
     specs, arrays = tiles.with_drop(geo, specs, [q, k, v, do, lse, delta, seg, bias], drop)
     dbias = base.call(
         functools.partial(_dbias_kernel, geo),
-        "encoder_attention_dbias",
+        geo.kernel("dbias"),
         geo.flops(2, 0),
         (geo.heads, geo.n // geo.rb),
         specs,
@@ -211,7 +211,7 @@ def _side_backward(geo: tiles.Geometry, q, do, lse, delta, gq, side: tiles.Side,
     )
     dk, dv, r = base.call(
         functools.partial(_side_kernel, geo),
-        "encoder_attention_dside",
+        geo.kernel("dside"),
         geo.flops(0, 4) + 2 * geo.batch * geo.heads * geo.n * geo.u * geo.w * geo.gp,
         (geo.batch, geo.heads, geo.gp // geo.c),
         specs,

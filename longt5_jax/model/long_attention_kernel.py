@@ -87,7 +87,7 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
 
 
 def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, drop):
-    name = "encoder_attention_fwd"
+    name = geo.kernel("fwd")
     geo = geo.splits(name)
     specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
     if geo.g:

@@ -96,13 +96,19 @@ class Geometry:
         )
         return self.batch * self.heads * self.n * per_block
 
+    def kernel(self, part: str) -> str:
+        """The name of this geometry's kernel `part` (fwd, dq, dkv, dbias, dside): Local's
+        (no side keys) apart from TGlobal's, as their launch settings differ (`kernel_base.LAUNCH`)
+        and a profile tells them apart."""
+        return f"encoder_{'' if self.g else 'local_'}attention_{part}"
+
     def splits(self, name: str) -> Geometry:
         """This geometry for kernel `name`, its query blocks split as its launch settings say
         (`kernel_base.split_of`) where a part is a whole tile: the local key parts' size, at
         least 16 rows. Why: a program of W = 128 rows and 8 warps holds an H100's registers
         alone; two of 64 rows and 4 warps fit one SM together and wait on nothing of each
-        other's, and each skips the local keys beyond all its queries (`beyond`). Not measured
-        on a GPU yet: `bench kernels --launch` times it."""
+        other's, and each skips the local keys beyond all its queries (`beyond`). Measured on
+        an H100 (`kernel_base.LAUNCH`): Local's gain, TGlobal's do not."""
         split = base.split_of(name)
         fits = split == 1 or (self.w % split == 0 and self.w // split == self.kb >= 16)
         return dataclasses.replace(self, split=split if fits else 1)
