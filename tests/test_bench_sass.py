@@ -76,8 +76,9 @@ def test_each_kernels_launch_and_what_it_leaves_of_an_sm():
 
 
 def test_launch_settings_parse_with_a_split_and_print_back():
-    text = "encoder_attention_fwd=4:3:2,*=8:2"
-    assert parse_launch(text) == (("encoder_attention_fwd", 4, 3, 2), ("*", 8, 2))
+    text = "encoder_attention_fwd=4:3:2,decoder_attention_dq=8:2:4,*=8:2"
+    want = (("encoder_attention_fwd", 4, 3, 2), ("decoder_attention_dq", 8, 2, 4), ("*", 8, 2))
+    assert parse_launch(text) == want
     assert launch_text(parse_launch(text)) == text
     for bad in ("encoder_*=4:3:3", "*=3:2", "*=8", "*=8:2:1:1"):
         with pytest.raises(argparse.ArgumentTypeError, match="PATTERN=WARPS:STAGES"):

@@ -442,14 +442,15 @@ def test_sharded_steps_with_the_kernels_equal_one_device(mesh, microbatches, dro
 
 
 class _DecoderAttention(nn.Module):
-    """The decoder's attention as a layer uses it: keys and values projected from `source`."""
+    """The decoder's attention as a layer uses it: keys and values projected from `source`
+    (with the config's dropout, the masks of `rows`)."""
 
     config: LongT5Config
 
     @nn.compact
-    def __call__(self, x, source, mask, bias):
-        attention = Attention(self.config, True, name="attention")
-        return attention(x, *attention.keys_values(source), mask, bias)
+    def __call__(self, x, source, mask, bias, rows=None):
+        attention = Attention(self.config, not self.config.dropout_rate, name="attention")
+        return attention(x, *attention.keys_values(source), mask, bias, rows)
 
 
 # name: (batch, queries, keys, heads, self-attention, packed)
@@ -458,14 +459,27 @@ DECODER_CASES = {
     "self_packed": (2, 19, 19, 2, True, True),
     "cross": (2, 7, 45, 4, False, False),
     "cross_packed": (3, 18, 70, 2, False, True),
+    "self_two_tiles": (2, 70, 70, 2, True, False),  # two key tiles of 64 (the last padded)
 }
+# The decoder's forward and dq with each query tile's keys split in two programs (`Tiles.split`).
+KEY_SPLIT = (("decoder_attention_fwd", 4, 2, 2), ("decoder_attention_dq", 8, 2, 2))
 
 
-@pytest.mark.parametrize("case", sorted(DECODER_CASES))
-def test_fused_decoder_attention_matches_the_xla_path(case):
+@pytest.mark.parametrize(
+    "case, launch, dropout",
+    [pytest.param(case, (), 0.0, id=case) for case in sorted(DECODER_CASES)]
+    + [
+        pytest.param("cross_packed", KEY_SPLIT, 0.0, id="cross_packed-split"),
+        pytest.param("self_two_tiles", KEY_SPLIT, 0.3, id="self_two_tiles-split-dropout"),
+    ],
+)
+def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
+    """Outputs and every gradient as the XLA path's; split, each query tile's keys in two
+    programs whose outputs are combined by their log-sum-exps (a packed cross-attention's part
+    may see none of a query's keys, and count for nothing), with dropout's masks too."""
     b, t, s, heads, self_attention, packed = DECODER_CASES[case]
     rng = np.random.default_rng(2)
-    xla = LongT5Config.preset("tiny", num_heads=heads)
+    xla = LongT5Config.preset("tiny", num_heads=heads, dropout_rate=dropout)
     x = jnp.asarray(rng.normal(size=(b, t, xla.d_model)), jnp.float32)
     source = x if self_attention else jnp.asarray(rng.normal(size=(b, s, xla.d_model)), jnp.float32)
     q_seg, _ = kernels.rows(b, t, packed, rng)
@@ -476,15 +490,20 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
     if self_attention:
         mask = mask & (np.arange(s)[None, :] <= np.arange(t)[:, None])
     bias = jnp.asarray(rng.normal(size=(heads, t, s)), jnp.float32) if self_attention else None
-    layer = _DecoderAttention(xla)
+    layer = _DecoderAttention(dataclasses.replace(xla, dropout_rate=0.0))  # the same parameters
     params = layer.init(jax.random.key(0), x, source, mask, bias)["params"]
     params = jax.tree.map(lambda a: a * (1 + 0.3 * rng.normal(size=a.shape)), params)
     real = jnp.asarray(mask.any(-1))[..., None]  # rows that see no key are don't-care
     cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32) * real
 
+    rows = Rows(jnp.asarray([5, 2, 7][:b], jnp.int32), jnp.asarray(3)) if dropout else None
+    drops = {"rngs": {"dropout": jax.random.key(4)}} if dropout else {}
+
     def run(config):
         def loss(params, x, source, bias):
-            out = _DecoderAttention(config).apply({"params": params}, x, source, mask, bias)
+            out = _DecoderAttention(config).apply(
+                {"params": params}, x, source, mask, bias, rows, **drops
+            )
             return jnp.sum(out * cotangent), out
 
         (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(
@@ -492,11 +511,15 @@ def test_fused_decoder_attention_matches_the_xla_path(case):
         )
         return out, grads
 
-    errors = kernels.relative_errors(
-        run(dataclasses.replace(xla, attention_kernel="pallas")), run(xla), real
-    )
+    want = run(xla)
+    with base.launch(launch):
+        got = run(dataclasses.replace(xla, attention_kernel="pallas"))
+    errors = kernels.relative_errors(got, want, real)
     assert len(errors) == (8 if self_attention else 7)  # output, q/k/v/o, x, source (, bias)
     assert max(errors.values()) <= TOLERANCE, errors
+    if dropout:  # it did drop out
+        plain = run(dataclasses.replace(xla, dropout_rate=0.0))[0]
+        assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1
 
 
 @pytest.mark.parametrize(
@@ -561,6 +584,25 @@ def test_launch_settings_reach_the_triton_calls():
                      "decoder_attention_dkv": (8, 2)}  # fmt: skip
     found = dict((name, (int(w), int(s))) for name, s, w in lowered((("*_dq", 2, 1),)))
     assert found["decoder_attention_dq"] == (2, 1) and found["decoder_attention_fwd"] == (4, 2)
+
+
+def test_a_key_split_reaches_the_triton_grid():
+    """The decoder's forward split in 4 runs 4 programs a query tile in the Triton call a GPU
+    compiles; a split that does not divide the key tiles (8 of 4) is not made."""
+    q, k = jnp.zeros((1, 64, 2, 16), jnp.bfloat16), jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
+    mask = jnp.ones((1, 1, 256), bool)
+
+    def grids(launch):
+        with base.launch(launch):
+            step = jax.jit(lambda q: jax.grad(lambda q: attention_kernel.attention(q, k, k, mask)
+                                              .astype(jnp.float32).sum())(q))  # fmt: skip
+            text = step.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        return [int(z) for z in re.findall(r"grid_z = (\d+) : i32", text)]
+
+    split = (("decoder_attention_fwd", 4, 2, 4), ("decoder_attention_dq", 8, 2, 2))
+    assert grids(()) == [1, 1]  # forward and dq (q's gradient only) over one query tile
+    assert grids(split) == [4, 2]
+    assert grids((("decoder_attention_*", 8, 2, 8),)) == [1, 1]
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ _NO_GPU = "bench device runs the step on a GPU; this process has none"
 
 def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -> None:
     """The arguments `case_step` reads: the cases, the compile target, the attention, its
-    kernels and the target length (bench device and bench roofline)."""
+    kernels, their launch settings and the target length (bench device and bench roofline)."""
     p.add_argument("--cases", nargs="+", default=cases, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
     p.add_argument("--target", default="h100-80gb", help=target_help)
     p.add_argument("--attention", default="tglobal")
@@ -63,13 +63,21 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -
         default=True,
         help="the layer stacks as a scan (default) or unrolled (LongT5Config.scan_layers)",
     )
+    p.add_argument(
+        "--launch",
+        type=parse_launch,
+        default=(),
+        help="Triton launch settings of the kernels: PATTERN=WARPS:STAGES[:SPLIT],... by kernel "
+        "name",
+    )
 
 
 def step_argv(args) -> list[str]:
     """`add_step_arguments`' values but the cases, as a child process' arguments."""
     scan = "--scan_layers" if args.scan_layers else "--no-scan_layers"
     return ["--target", args.target, "--attention", args.attention, "--attention_kernel",
-            args.attention_kernel, "--target_length", str(args.target_length), scan]  # fmt: skip
+            args.attention_kernel, "--target_length", str(args.target_length), scan,
+            "--launch", launch_text(args.launch)]  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,12 +97,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"
     )
-    p.add_argument(
-        "--launch",
-        type=parse_launch,
-        default=(),
-        help="Triton launch settings of the kernels: PATTERN=WARPS:STAGES[,...] by kernel name",
-    )
     p.add_argument("--child", choices=["gpu", "deviceless", "torch"], help=argparse.SUPPRESS)
     return p
 
@@ -106,11 +108,12 @@ def parse_launch(text: str) -> tuple[tuple, ...]:
         pattern, _, numbers = item.partition("=")
         values = numbers.split(":")
         numeric = len(values) in (2, 3) and all(x.isdigit() for x in values)
-        known = numeric and int(values[0]) in (1, 2, 4, 8, 16) and values[2:] in ([], ["1"], ["2"])
+        powers = ("1", "2", "4", "8", "16")
+        known = numeric and values[0] in powers and all(x in powers for x in values[2:])
         if not (pattern and known):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: expected PATTERN=WARPS:STAGES[:SPLIT] (warps 1, 2, 4, 8 or 16; "
-                "split 1 or 2)"
+                f"{item!r}: expected PATTERN=WARPS:STAGES[:SPLIT] (warps and split 1, 2, 4, 8 "
+                "or 16)"
             )
         settings.append((pattern, *map(int, values)))
     return tuple(settings)
@@ -255,7 +258,7 @@ def _child(args, kind: str, case: str) -> dict:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     cmd = [sys.executable, "-m", "longt5_jax.bench", "device", "--child", kind, "--cases", case]
     cmd += step_argv(args) + ["--steps", str(args.steps)]
-    cmd += ["--warmup", str(args.warmup), "--launch", launch_text(args.launch)]
+    cmd += ["--warmup", str(args.warmup)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
     if not lines:

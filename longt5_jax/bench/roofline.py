@@ -38,6 +38,7 @@ from longt5_jax.bench import device
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5Config
+from longt5_jax.model import kernel_base as base
 from longt5_jax.plan import compile_ahead, flops, hlo, hlo_module, roofline, targets
 
 CASES = [
@@ -262,7 +263,8 @@ def _main(argv: list[str]) -> int:
     if not targets.load(args.target).is_gpu:
         raise UsageError(f"--target {args.target}: bench roofline costs GPU kernels")
     if args.child:
-        print(_RESULT + json.dumps(measure(args, args.cases[0])), flush=True)
+        with base.launch(args.launch):  # read where the kernels are traced
+            print(_RESULT + json.dumps(measure(args, args.cases[0])), flush=True)
         return 0
     before = load_report(args.compare) if args.compare else None
     rows = []
@@ -272,6 +274,7 @@ def _main(argv: list[str]) -> int:
     _print(rows, args.top)
     out = Path(args.out_dir)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config["launch"] = device.launch_text(args.launch)
     report = {"config": {k: v for k, v in config.items() if k not in ("out_dir", "child")}}
     report["rows"] = rows
     if before is not None:

@@ -10,6 +10,7 @@ softmax. HBM per program: q, all of k and v for its (b, h) (from L2 after the fi
 the mask and bias tiles, the output and a [Q] log-sum-exp. The backward recomputes from that:
 dq by query tile, dk and dv by key tile, and the bias gradient ([H, T, S], one program per tile
 summing over the batch). No [B, H, T, S] tensor reaches HBM. Rows that see no key output 0.
+The forward and dq may split each query tile's keys into parts, a program each (`Tiles.split`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,53 @@ class Tiles:
     mask_rows: int  # T, or 1 for a mask shared by every query
     bias: bool
     rate: float = 0.0  # attention dropout (the kernels then take `base.Drop`'s arrays last)
+    parts: int = 1  # programs a query tile's keys are split among (`split`)
 
     def flops(self, matmuls: int) -> int:
         return 2 * matmuls * self.batch * self.heads * self.t * self.s * self.head_dim
 
+    def split(self, name: str) -> Tiles:
+        """This call for kernel `name`, each query tile's keys split into parts of whole key
+        tiles as its launch settings say (`kernel_base.split_of`), a program each. Why: at 512
+        targets the forward and dq run B x H x 8 programs (192 at base 16k) where an H100's 132
+        SMs hold 2-4 each (0.4-0.7 waves, `bench sass`), each looping over every key tile (256
+        over 16k encoder tokens). The parts' outputs are combined outside (`_combine`, a sum
+        for dq), from [P, ...] float32 arrays: more bytes, so off until a GPU times it."""
+        parts = base.split_of(name)
+        return dataclasses.replace(self, parts=parts if (self.s // self.tk) % parts == 0 else 1)
+
+    def key_tiles(self, part) -> tuple:
+        """The first and the end key tile of `part` (a program id)."""
+        per = self.s // self.tk // self.parts
+        return part * per, (part + 1) * per
+
+    def program(self, p) -> tuple:
+        """(query tile, part) of the forward's and dq's program id p."""
+        return p // self.parts, p % self.parts
+
 
 def _query_tile(tl: Tiles) -> pl.BlockSpec:
-    return pl.BlockSpec((None, tl.tq, None, tl.head_dim), lambda b, h, i: (b, i, h, 0))
+    return pl.BlockSpec(
+        (None, tl.tq, None, tl.head_dim), lambda b, h, p: (b, tl.program(p)[0], h, 0)
+    )
+
+
+def _out_tile(tl: Tiles) -> pl.BlockSpec:
+    """Where a program of the forward or dq writes its [Q, K] tile: in the output, or, split,
+    in its part of the [P, B, T, H, K] float32 parts (`_out`)."""
+    if tl.parts == 1:
+        return _query_tile(tl)
+    return pl.BlockSpec(
+        (None, None, tl.tq, None, tl.head_dim),
+        lambda b, h, p: (tl.program(p)[1], b, tl.program(p)[0], h, 0),
+    )
+
+
+def _out(tl: Tiles, shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """An output of the forward or dq: `shape` in `dtype`, or, split, [P, *shape] float32."""
+    if tl.parts == 1:
+        return base.out(shape, dtype, like)
+    return base.out((tl.parts, *shape), jnp.float32, like)
 
 
 def _key_tile(tl: Tiles) -> pl.BlockSpec:
@@ -52,7 +93,15 @@ def _key_tile(tl: Tiles) -> pl.BlockSpec:
 
 
 def _stat(tl: Tiles) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, tl.tq), lambda b, h, i: (b, h, i))
+    return pl.BlockSpec((None, None, tl.tq), lambda b, h, p: (b, h, tl.program(p)[0]))
+
+
+def _out_stat(tl: Tiles) -> pl.BlockSpec:
+    if tl.parts == 1:
+        return _stat(tl)
+    return pl.BlockSpec(
+        (None, None, None, tl.tq), lambda b, h, p: (tl.program(p)[1], b, h, tl.program(p)[0])
+    )
 
 
 def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
@@ -84,7 +133,7 @@ def _kernel(tl: Tiles, body, inputs: int):
 
 
 def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref, lse_ref):
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, (i, part) = pl.program_id(0), pl.program_id(1), tl.program(pl.program_id(2))
     rows, q = pl.ds(i * tl.tq, tl.tq), q_ref[...]
 
     def chunk(j, state):
@@ -98,16 +147,17 @@ def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref,
         jnp.zeros((tl.tq,), jnp.float32),
         jnp.zeros((tl.tq, tl.head_dim), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, state)
+    m, l, acc = jax.lax.fori_loop(*tl.key_tiles(part), chunk, state)
     seen = base.seen(m)
     safe = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), 0.0)
+    # A part that sees no key weighs nothing in `_combine`; a whole row that sees none has 0.
+    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf if tl.parts > 1 else 0.0)
 
 
 def _dq_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref,
                bias_ref, dq_ref):  # fmt: skip
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, (i, part) = pl.program_id(0), pl.program_id(1), tl.program(pl.program_id(2))
     rows, q, do = pl.ds(i * tl.tq, tl.tq), q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
 
@@ -120,8 +170,8 @@ def _dq_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
         ds = base.dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
         return dq + base.dot(ds.astype(k.dtype), k)
 
-    dq = jax.lax.fori_loop(0, tl.s // tl.tk, chunk, jnp.zeros((tl.tq, tl.head_dim), jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    zeros = jnp.zeros((tl.tq, tl.head_dim), jnp.float32)
+    dq_ref[...] = jax.lax.fori_loop(*tl.key_tiles(part), chunk, zeros).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(tl: Tiles, drop, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask_ref,
@@ -165,30 +215,47 @@ def _dbias_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_r
 
 
 def _forward(tl: Tiles, q, k, v, mask, bias, *drop):
-    whole = base.whole()
-    return base.call(
+    name = "decoder_attention_fwd"
+    tl = tl.split(name)
+    o, lse = base.call(
         _kernel(tl, _fwd_kernel, 5),
-        "decoder_attention_fwd",
+        name,
         tl.flops(2),
-        (tl.batch, tl.heads, tl.t // tl.tq),
-        [_query_tile(tl)] + [whole] * (4 + len(drop)),
-        [_query_tile(tl), _stat(tl)],
-        [base.out(q.shape, q.dtype, q), base.out((tl.batch, tl.heads, tl.t), jnp.float32, q)],
+        (tl.batch, tl.heads, tl.t // tl.tq * tl.parts),
+        [_query_tile(tl)] + [base.whole()] * (4 + len(drop)),
+        [_out_tile(tl), _out_stat(tl)],
+        [_out(tl, q.shape, q.dtype, q), _out(tl, (tl.batch, tl.heads, tl.t), jnp.float32, q)],
     )(q, k, v, mask, bias, *drop)
+    return (o, lse) if tl.parts == 1 else _combine(o, lse, q.dtype)
+
+
+def _combine(o_PBTHK, lse_PBHT, dtype):
+    """The parts' outputs as one row's: each part's (normalised) output weighted by its share
+    of the row's sum of exponentials, exp(lse_part - lse); rows no part saw output 0, lse 0."""
+    m = jnp.max(lse_PBHT, axis=0)
+    seen = m > -jnp.inf
+    m = jnp.where(seen, m, 0.0)
+    weights = jnp.exp(lse_PBHT - m)
+    total = jnp.where(seen, weights.sum(0), 1.0)
+    o = jnp.einsum("pbht,pbthk->bthk", weights / total, o_PBTHK)
+    return o.astype(dtype), jnp.where(seen, m + jnp.log(total), 0.0)
 
 
 def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do, *drop):
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
     whole, extra = base.whole(), [base.whole()] * len(drop)
+    dq_tl = tl.split("decoder_attention_dq")
     dq = base.call(
-        _kernel(tl, _dq_kernel, 8),
+        _kernel(dq_tl, _dq_kernel, 8),
         "decoder_attention_dq",
         tl.flops(3),
-        (tl.batch, tl.heads, tl.t // tl.tq),
-        [_query_tile(tl), _query_tile(tl), _stat(tl), _stat(tl)] + [whole] * 4 + extra,
-        _query_tile(tl),
-        base.out(q.shape, q.dtype, q),
+        (tl.batch, tl.heads, tl.t // tl.tq * dq_tl.parts),
+        [_query_tile(dq_tl)] * 2 + [_stat(dq_tl)] * 2 + [whole] * 4 + extra,
+        _out_tile(dq_tl),
+        _out(dq_tl, q.shape, q.dtype, q),
     )(q, do, lse, delta, k, v, mask, bias, *drop)
+    if dq_tl.parts > 1:
+        dq = dq.sum(0).astype(q.dtype)
     dk, dv = base.call(
         _kernel(tl, _dkv_kernel, 8),
         "decoder_attention_dkv",

@@ -78,11 +78,13 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 # programs hold [128, 128] float32 score tiles, which 4 warps cannot keep in registers, and
 # three stages hide the loads of the next key block (the layer's forward and backward 12.5 ->
 # 10.1 ms at base 16k); the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against
-# 1.81 with 8:3). An optional fourth number splits each query block of the encoder's forward
-# and dq into that many programs (`long_attention_tiles.Geometry.splits`; 1 if not given): in
-# two of 4 warps, three of Local's fit an SM where one of 8 did (registers), and its forward
-# and dq ran 0.134 -> 0.096 and 0.142 -> 0.095 ms (xl Local 4k, the layer 1.95 -> 1.78 ms);
-# TGlobal's fit two, the same 8 warps, and ran 1.178 -> 1.257 and 1.176 -> 1.279 ms (base 16k).
+# 1.81 with 8:3). An optional fourth number splits the work of a program of the forward and dq
+# into that many (1 if not given): the encoder's query blocks (`long_attention_tiles.Geometry.
+# splits`, in two), the decoder's keys (`attention_kernel.Tiles.split`, not yet timed). The
+# encoder's query blocks in two programs of 4 warps: three of Local's fit an SM where one of 8
+# did (registers), and its forward and dq ran 0.134 -> 0.096 and 0.142 -> 0.095 ms (xl Local
+# 4k, the layer 1.95 -> 1.78 ms); TGlobal's fit two, the same 8 warps, and ran 1.178 -> 1.257
+# and 1.176 -> 1.279 ms (base 16k).
 LAUNCH: tuple[tuple, ...] = (
     ("encoder_local_attention_fwd", 4, 3, 2),
     ("encoder_local_attention_dq", 4, 3, 2),
@@ -121,8 +123,8 @@ def _launch_of(name: str, wide: bool = False) -> dict:
 
 
 def split_of(name: str) -> int:
-    """How many programs kernel `name` splits a query block into (its launch setting's fourth
-    number; 1 if none)."""
+    """Into how many programs kernel `name` splits a program's work (its launch setting's
+    fourth number; 1 if none)."""
     setting = _setting(name)
     return setting[3] if len(setting) > 3 else 1
 
