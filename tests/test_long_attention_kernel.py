@@ -565,6 +565,18 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
     assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1
 
 
+def _lowered_for_a_gpu(launch, q, mask, keys=None) -> str:
+    """The decoder attention's gradient of q (keys and values q, or `keys`), traced under
+    `launch` and lowered for a GPU: the Triton calls' settings and grids as text."""
+    with base.launch(launch):
+
+        def loss(q):
+            k = q if keys is None else keys
+            return attention_kernel.attention(q, k, k, mask).astype(jnp.float32).sum()
+
+        return jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_launch_settings_reach_the_triton_calls():
     """`base.launch` sets each kernel's warps and stages by name (first match wins, the rest
     keep `LAUNCH`'s), in the Triton call a GPU compiles."""
@@ -572,12 +584,8 @@ def test_launch_settings_reach_the_triton_calls():
     mask = jnp.ones((1, 64, 64), bool)
 
     def lowered(launch):
-        with base.launch(launch):
-            step = jax.jit(lambda q: jax.grad(lambda q: attention_kernel.attention(q, q, q, mask)
-                                              .astype(jnp.float32).sum())(q))  # fmt: skip
-            text = step.trace(q).lower(lowering_platforms=("cuda",)).as_text()
         return re.findall(r'name = "(decoder_attention_\w+)\.flops.*?num_stages = (\d+) : i32, '
-                          r"num_warps = (\d+)", text)  # fmt: skip
+                          r"num_warps = (\d+)", _lowered_for_a_gpu(launch, q, mask))  # fmt: skip
 
     found = dict((name, (int(w), int(s))) for name, s, w in lowered(()))
     assert found == {"decoder_attention_fwd": (4, 2), "decoder_attention_dq": (8, 2),
@@ -593,10 +601,7 @@ def test_a_key_split_reaches_the_triton_grid():
     mask = jnp.ones((1, 1, 256), bool)
 
     def grids(launch):
-        with base.launch(launch):
-            step = jax.jit(lambda q: jax.grad(lambda q: attention_kernel.attention(q, k, k, mask)
-                                              .astype(jnp.float32).sum())(q))  # fmt: skip
-            text = step.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        text = _lowered_for_a_gpu(launch, q, mask, keys=k)
         return [int(z) for z in re.findall(r"grid_z = (\d+) : i32", text)]
 
     split = (("decoder_attention_fwd", 4, 2, 4), ("decoder_attention_dq", 8, 2, 2))
