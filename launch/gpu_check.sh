@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
-# dependencies importable, within BUDGET seconds (default 540), most important first (device
-# time is lent by the minute, and a run cut short by the budget keeps what it measured):
-#   1. bench device on the goal cases (the first two of CASES): the train step with the
-#      kernels, then with XLA's attention, scanned layers, the kernels' default launch;
-#   2. bench kernels: each kernel family against the XLA path on the GPU (forward and every
-#      gradient, float32 and bfloat16), each kernel's time, registers and occupancy (--trace),
-#      the layer's time under the Triton launch settings of LAUNCHES; with BASELINE (a folder
-#      holding another version's longt5_jax package), that version's kernels on the same cases;
-#   3. the first goal case's step with the fastest launch of 2 (if not the default), the goal
-#      cases with the layers unrolled (--no-scan_layers) and that launch;
-#   4. a profiler trace of the first case's step (kernel by kernel);
-#   5. the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
-#      remat; then XLA), and transformers' step on the first case, if time is left.
-# STEPS picks and orders these sections (default "goals xla kernels launch unrolled profile rest
-# transformers"; "launch" times each goal case with the default launch, if not yet, then with the
-# fastest), to spend a short lease on what is new; PROFILE, the cases profiled (the first).
+# dependencies importable, within BUDGET seconds (default 540), most informative first (device
+# time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
+# picks and orders the sections (default "kernels launch xla profile rest transformers unrolled"):
+#   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
+#     float32 and bfloat16; the first of LAUNCHES checked), each kernel's time, registers and
+#     occupancy (--trace), the layer's time and kernels under each launch setting of LAUNCHES
+#     and the default; with BASELINE (a folder holding another version's longt5_jax package),
+#     that version's kernels on the same cases;
+#   goals: bench device on the goal cases (the first two of CASES), the kernels' default launch;
+#   launch: each goal case's step with the default launch (if not yet measured), then with the
+#     fastest of `kernels` (if that is not the default);
+#   xla: the goal cases with XLA's attention;
+#   profile: a profiler trace of each case of PROFILE (the first goal case), kernel by kernel;
+#   rest: the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
+#     remat; then XLA);
+#   transformers: transformers' step on the first case;
+#   unrolled: the goal cases with the layers unrolled (--no-scan_layers) and the fastest launch
+#     (last: xl 4k's did not compile and run within 200 s on an H100's host, 2026-11-27).
 # (Nsight Compute 2025.3 crashed profiling the JAX process on an H100: segmentation fault, and
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
 # occupancy of each kernel from the profiler's trace instead.)
@@ -137,7 +139,7 @@ step_transformers() {
     --transformers --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" \
     --cases "$first"
 }
-for step in ${STEPS:-goals xla kernels launch unrolled profile rest transformers}; do
+for step in ${STEPS:-kernels launch xla profile rest transformers unrolled}; do
   "step_$step"
 done
 section "done"
