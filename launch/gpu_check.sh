@@ -30,10 +30,11 @@ out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 cases="${CASES:-base:16384:2:save_attention xl:4096:1:save_dots base:16384:2:save_dots base:16384:2:full xl:4096:1:full large:4096:4:save_attention base:4096:4:none xl:16384:1:save_attention}"
 kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed base:decoder:4096:2:padded}"
 # Beside the default: the decoder's forward and dq with each query tile's keys in 4 programs
-# (0.4-0.7 waves -> 1.5-2.9 at 512 targets, deviceless), Local's forward and dq whole (split by
-# default: 29-33% faster on an H100, 2026-11-27). 4 warps do not compile the encoder's backward
-# (a boolean tile staged through shared memory).
-launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 encoder_local_*=8:3}"
+# (0.4-0.7 waves -> 1.5-2.9 at 512 targets, deviceless), TGlobal's dq split (three an SM with
+# side keys 32 at a time, deviceless), Local's forward and dq whole (split by default: 29-33%
+# faster on an H100, 2026-11-27). 4 warps do not compile the encoder's backward (a boolean tile
+# staged through shared memory).
+launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 encoder_attention_dq=4:3:2 encoder_local_*=8:3}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
 mkdir -p "$out"

@@ -108,10 +108,14 @@ class Geometry:
         least 16 rows. Why: a program of W = 128 rows and 8 warps holds an H100's registers
         alone; two of 64 rows and 4 warps fit one SM together and wait on nothing of each
         other's, and each skips the local keys beyond all its queries (`beyond`). Measured on
-        an H100 (`kernel_base.LAUNCH`): Local's gain, TGlobal's do not."""
+        an H100 (`kernel_base.LAUNCH`): Local's gain (three an SM), TGlobal's did not (two an
+        SM, taking 64 side keys at a time). A split program takes side keys 32 at a time:
+        TGlobal's dq then fits three an SM (158 registers, against 174 with 64; its forward
+        178, two an SM; ptxas, sm_90a, base 16k). Not yet timed."""
         split = base.split_of(name)
-        fits = split == 1 or (self.w % split == 0 and self.w // split == self.kb >= 16)
-        return dataclasses.replace(self, split=split if fits else 1)
+        if split == 1 or self.w % split or self.w // split != self.kb or self.kb < 16:
+            return dataclasses.replace(self, split=1)
+        return dataclasses.replace(self, split=split, c=min(self.c, 32))
 
 
 def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
