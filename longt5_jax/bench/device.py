@@ -63,12 +63,18 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -
         default=True,
         help="the layer stacks as a scan (default) or unrolled (LongT5Config.scan_layers)",
     )
+    add_launch_argument(p)
+
+
+def add_launch_argument(p) -> None:
+    """--launch: the kernels' Triton launch settings (`parse_launch`; none: `kernel_base.LAUNCH`),
+    as every benchmark that compiles them takes it."""
     p.add_argument(
         "--launch",
         type=parse_launch,
         default=(),
-        help="Triton launch settings of the kernels: PATTERN=WARPS:STAGES[:SPLIT],... by kernel "
-        "name",
+        metavar="PATTERN=WARPS:STAGES[:SPLIT],...",
+        help="Triton launch settings of the kernels by kernel name (first match wins)",
     )
 
 

@@ -21,7 +21,7 @@ import jax
 
 from longt5_jax import cli
 from longt5_jax.bench import train_steps as ts
-from longt5_jax.bench.device import launch_text, parse_launch
+from longt5_jax.bench.device import add_launch_argument, launch_text
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import RunFault
 from longt5_jax.model import LongT5Config
@@ -43,12 +43,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target_length", type=int, default=256)
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--top", type=int, default=20, help="ops listed one by one")
-    p.add_argument(
-        "--launch",
-        type=parse_launch,
-        default=(),
-        help="Triton launch settings of the kernels: PATTERN=WARPS:STAGES[,...] by kernel name",
-    )
+    add_launch_argument(p)
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p.parse_args(argv)
 

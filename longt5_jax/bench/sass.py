@@ -29,7 +29,7 @@ import jax
 
 from longt5_jax import cli
 from longt5_jax.bench import kernels
-from longt5_jax.bench.device import launch_text, parse_launch
+from longt5_jax.bench.device import add_launch_argument, launch_text
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.plan import compile_ahead, targets
@@ -245,10 +245,7 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--cases", nargs="+", default=kernels.CASES[:1], help=kernels.CASES[0])
     p.add_argument("--target", default="h100-80gb", help="a100-80gb or h100-80gb")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument(
-        "--launch", type=parse_launch, default=(), metavar="PATTERN=WARPS:STAGES[:SPLIT],...",
-        help="the kernels' launch settings (as bench kernels' --launch)",
-    )  # fmt: skip
+    add_launch_argument(p)
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = p.parse_args(argv)
