@@ -9,6 +9,7 @@ many tiny eager ops would cost more to write than to compile).
 """
 
 import collections
+import fcntl
 import os
 import subprocess
 import sys
@@ -46,6 +47,30 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
+
+from longt5_jax.plan import compile_ahead  # noqa: E402
+
+
+def _keep_gpu_kernels() -> None:
+    """Each test process keeps the kernels of its deviceless GPU compiles under .pytest_cache,
+    one directory per xdist worker, which the slow pass's worker of that name and later runs
+    start from (warm, the default pass's GPU compile tests took 97 s where they took 153).
+    XLA rewrites a cache file whole: a directory another live process holds stays its own,
+    and this process keeps a temporary one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = Path(__file__).resolve().parents[1] / ".pytest_cache" / "gpu_kernels" / worker
+    path.mkdir(parents=True, exist_ok=True)
+    lock = (path / "held").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return
+    _HELD.append(lock)  # released when the process ends
+    compile_ahead.keep_kernels_in(path)
+
+
+_HELD: list = []
+_keep_gpu_kernels()
 
 # Files whose tests share no fixture and each start processes, runs or compiles of their own.
 SPREAD = {

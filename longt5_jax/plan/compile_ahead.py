@@ -85,14 +85,27 @@ def _kernel_cache(device_kind: str) -> dict[str, str] | None:
     if "xla_gpu_kernel_cache_file" in os.environ.get("XLA_FLAGS", ""):
         return None
     name = "".join(c if c.isalnum() else "_" for c in device_kind)
-    return {"xla_gpu_kernel_cache_file": str(_scratch() / f"kernels_{name}.bin")}
+    return {"xla_gpu_kernel_cache_file": str(_kernel_dir() / f"kernels_{name}.bin")}
 
 
-@functools.cache
-def _scratch() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="longt5_jax_kernels_"))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
+_KERNEL_DIR: list[Path] = []  # where `keep_kernels_in` put this process's kernel caches
+
+
+def keep_kernels_in(path: Path) -> None:
+    """Keep this process's deviceless kernel caches in `path` (made if missing) instead of a
+    temporary directory removed at exit, so a later process given the same directory starts
+    from them: the test suite gives each of its worker processes one, which its slow pass and
+    later runs reuse. Never give two live processes the same directory."""
+    path.mkdir(parents=True, exist_ok=True)
+    _KERNEL_DIR[:] = [path]
+
+
+def _kernel_dir() -> Path:
+    if not _KERNEL_DIR:
+        path = Path(tempfile.mkdtemp(prefix="longt5_jax_kernels_"))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _KERNEL_DIR.append(path)
+    return _KERNEL_DIR[0]
 
 
 @contextlib.contextmanager
