@@ -171,3 +171,27 @@ def test_the_command_is_registered():
     from longt5_jax.bench.__main__ import BENCHMARKS
 
     assert BENCHMARKS["roofline"] is bench.main
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_the_step_updates_with_the_optimizer_asked_for(optimizer):
+    """--optimizer reaches the benchmarked step (built, not compiled): AdamW keeps two moments
+    a parameter; Adafactor (the training loop's default) keeps no first and factors the second
+    of each matrix (base's sides are all >= 128)."""
+    import jax
+    import numpy as np
+
+    from longt5_jax.bench import device
+
+    case = "base:64:2:full"
+    args = bench._parser().parse_args(["--cases", case, "--optimizer", optimizer])
+    _, step, _, _ = device.case_step(args, case, jax.devices())
+
+    def size(tree):
+        return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+
+    state = step.abstract_state
+    ratio = size(state.opt_state) / size(state.params)
+    assert 1.99 < ratio < 2.01 if optimizer == "adamw" else ratio < 0.01
+    argv = device.step_argv(args)  # what a case's child process is given
+    assert argv[argv.index("--optimizer") + 1] == optimizer

@@ -13,7 +13,8 @@ GOALS = "base:16384:2:save_attention xl:4096:1:save_dots"
 
 
 def _dry_run(tmp_path: Path, best: str = "", **env) -> tuple[list[tuple], str]:
-    """(what each benchmark was asked: (bench, case or cases, kernel, launch, layers), the log)."""
+    """(what each benchmark was asked: (bench, case or cases, kernel, launch, layers or
+    optimizer where not the scan and AdamW), the log)."""
     stubs, calls = tmp_path / "bin", tmp_path / "calls"
     stubs.mkdir(parents=True)
     python = f'#!/usr/bin/env bash\n{{ printf "%q " "$@"; echo; }} >> {calls}\n'
@@ -31,6 +32,8 @@ def _dry_run(tmp_path: Path, best: str = "", **env) -> tuple[list[tuple], str]:
             continue
         arg = {w: words[i + 1] if i + 1 < len(words) else "" for i, w in enumerate(words)}
         layers = "unrolled" if "--no-scan_layers" in words else ""
+        if arg.get("--optimizer", "adamw") != "adamw":
+            layers = arg["--optimizer"]
         cases = " ".join(words[words.index("--cases") + 1 :]) if "--cases" in words else ""
         case = cases.split(" --")[0] if "--cases" in words else arg.get("--preset", "")
         asked.append(
@@ -51,6 +54,8 @@ def test_a_lease_times_the_kernels_first_then_each_goal_with_the_fastest_launch(
         ("device", base, "pallas", SPLIT, ""),
         ("device", xl, "pallas", "", ""),
         ("device", xl, "pallas", SPLIT, ""),
+        ("device", base, "pallas", SPLIT, "adafactor"),  # the training loop's optimizer
+        ("device", xl, "pallas", SPLIT, "adafactor"),
         ("device", "base:16384:2:full", "xla", "", ""),  # save_attention is full remat's program
         ("device", xl, "xla", "", ""),
         ("device", "base:4096:4:none", "pallas", SPLIT, ""),

@@ -1,8 +1,9 @@
 """The train step on this machine's GPU, against the deviceless compile of the same step.
 
 Each case (model, input length, batch, remat) is the step the training loop runs (`ShardedStep`
-on one device: bf16 activations, float32 parameters, AdamW) and is measured twice, each in a
-process of its own so that neither compiler nor allocator state leaks between cases:
+on one device: bf16 activations, float32 parameters, AdamW or `--optimizer`) and is measured
+twice, each in a process of its own so that neither compiler nor allocator state leaks between
+cases:
 
 - compiled deviceless for `--target` (the compile-only GPU the planner and `bench cluster` use):
   memory from its buffer assignment, and the roofline of its kernels as a step-time estimate;
@@ -51,7 +52,8 @@ _NO_GPU = "bench device runs the step on a GPU; this process has none"
 
 def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -> None:
     """The arguments `case_step` reads: the cases, the compile target, the attention, its
-    kernels, their launch settings and the target length (bench device and bench roofline)."""
+    kernels, their launch settings, the target length and the optimizer (bench device and bench
+    roofline)."""
     p.add_argument("--cases", nargs="+", default=cases, help="MODEL:INPUT_LENGTH:BATCH[:REMAT]")
     p.add_argument("--target", default="h100-80gb", help=target_help)
     p.add_argument("--attention", default="tglobal")
@@ -63,6 +65,10 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -
         default=True,
         help="the layer stacks as a scan (default) or unrolled (LongT5Config.scan_layers)",
     )
+    # AdamW by default, as the field's MFU figures (and torch's step beside ours) use; Adafactor
+    # is the training loop's default (LongT5's T5X setup), whose update reads and writes about
+    # half the bytes (no first moment, a factored second).
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
     add_launch_argument(p)
 
 
@@ -83,7 +89,7 @@ def step_argv(args) -> list[str]:
     scan = "--scan_layers" if args.scan_layers else "--no-scan_layers"
     return ["--target", args.target, "--attention", args.attention, "--attention_kernel",
             args.attention_kernel, "--target_length", str(args.target_length), scan,
-            "--launch", launch_text(args.launch)]  # fmt: skip
+            "--launch", launch_text(args.launch), "--optimizer", args.optimizer]  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,7 +160,7 @@ def case_step(args, case: str, devices: list):
         attention_kernel=args.attention_kernel,
         scan_layers=args.scan_layers,
     )
-    optimizer = make_optimizer(OptimizerConfig(name="adamw"))
+    optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
     step = compile_ahead.sharded_step(
         config, ParallelConfig(data=1), StepConfig(), optimizer, devices[:1], 1
     )

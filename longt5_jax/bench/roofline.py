@@ -1,7 +1,8 @@
 """Where the HBM traffic and the roofline time of the single-device train step go, by model part.
 
 Each case (model, input length, batch, remat) is the step the training loop runs on one GPU
-(`ShardedStep`: half-precision activations, bf16 or fp16 as the GPU has, float32 parameters, AdamW),
+(`ShardedStep`: half-precision activations, bf16 or fp16 as the GPU has, float32 parameters, AdamW
+or `--optimizer adafactor`),
 compiled deviceless for `--target` in a process of its own, as `bench device` does: no compiler
 state or kernel cache carries from one case to the next (each process peaks near 1.3 GiB resident,
 xl at 16k tokens included, and takes 12-18 s). Its kernels are costed by `plan/roofline.py` (each
