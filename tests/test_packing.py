@@ -46,8 +46,9 @@ def test_packed_rows_equal_unpacked_examples(attention):
     dec_inputs = [[np.concatenate([[0], y[:-1]]) for _, y in row] for row in packed]
     dec = np.stack([_pack(row, target_length) for row in dec_inputs], axis=1)
     kwargs = dict(encoder_segment_ids=enc[1], encoder_positions=enc[2], decoder_segment_ids=dec[1])
-    logits = model.apply({"params": params}, enc[0], None, dec[0], **kwargs)
-    encoded = model.apply(
+    apply = jax.jit(model.apply, static_argnames="method")  # op by op: 22 s, jitted 15
+    logits = apply({"params": params}, enc[0], None, dec[0], **kwargs)
+    encoded = apply(
         {"params": params}, enc[0], segment_ids=enc[1], positions=enc[2], method=LongT5.encode
     )
 
