@@ -9,7 +9,6 @@ many tiny eager ops would cost more to write than to compile).
 """
 
 import collections
-import fcntl
 import os
 import subprocess
 import sys
@@ -50,27 +49,16 @@ import pytest  # noqa: E402
 
 from longt5_jax.plan import compile_ahead  # noqa: E402
 
-
-def _keep_gpu_kernels() -> None:
-    """Each test process keeps the kernels of its deviceless GPU compiles under .pytest_cache,
-    one directory per xdist worker, which the slow pass's worker of that name and later runs
-    start from (warm, the default pass's GPU compile tests took 97 s where they took 153).
-    XLA rewrites a cache file whole: a directory another live process holds stays its own,
-    and this process keeps a temporary one."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    path = Path(__file__).resolve().parents[1] / ".pytest_cache" / "gpu_kernels" / worker
-    path.mkdir(parents=True, exist_ok=True)
-    lock = (path / "held").open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return
-    _HELD.append(lock)  # released when the process ends
-    compile_ahead.keep_kernels_in(path)
-
-
-_HELD: list = []
-_keep_gpu_kernels()
+# Each test process keeps the kernels of its deviceless GPU compiles under .pytest_cache, one
+# directory per xdist worker, which the slow pass's worker of that name and later runs start
+# from (warm, the default pass's GPU compile tests took 97 s where they took 153); a directory
+# another live process holds is left to it (`keep_kernels_in`).
+compile_ahead.keep_kernels_in(
+    Path(__file__).resolve().parents[1]
+    / ".pytest_cache"
+    / "gpu_kernels"
+    / os.environ.get("PYTEST_XDIST_WORKER", "main")
+)
 
 # Files whose tests share no fixture and each start processes, runs or compiles of their own.
 SPREAD = {

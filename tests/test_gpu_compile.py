@@ -141,6 +141,17 @@ def test_deviceless_compiles_keep_a_kernel_cache_file_per_process(zero_steps, mo
     assert compile_ahead._kernel_cache(kind) is None  # the user's file rules
 
 
+def test_a_kept_kernel_directory_is_one_live_process_s(tmp_path, monkeypatch):
+    """XLA rewrites a cache file whole: a directory held by a live process is refused to
+    another (here a second holder in this process, as flock locks open files)."""
+    monkeypatch.setattr(compile_ahead, "_kernel_home", None)
+    assert compile_ahead.keep_kernels_in(tmp_path / "kernels")
+    assert compile_ahead._kernel_dir() == tmp_path / "kernels"
+    monkeypatch.setattr(compile_ahead, "_kernel_home", None)
+    assert not compile_ahead.keep_kernels_in(tmp_path / "kernels")
+    assert compile_ahead._kernel_home is None  # this one keeps a temporary directory
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_bytes_match_the_ring_model_on_gpu_hlo(zero_steps, stage):
     compiled = zero_steps[stage]

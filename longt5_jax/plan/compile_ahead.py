@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import os
 import shutil
@@ -88,24 +89,37 @@ def _kernel_cache(device_kind: str) -> dict[str, str] | None:
     return {"xla_gpu_kernel_cache_file": str(_kernel_dir() / f"kernels_{name}.bin")}
 
 
-_KERNEL_DIR: list[Path] = []  # where `keep_kernels_in` put this process's kernel caches
+_kernel_home: Path | None = None  # this process's kernel cache directory, once made or kept
 
 
-def keep_kernels_in(path: Path) -> None:
+def keep_kernels_in(path: Path) -> bool:
     """Keep this process's deviceless kernel caches in `path` (made if missing) instead of a
     temporary directory removed at exit, so a later process given the same directory starts
-    from them: the test suite gives each of its worker processes one, which its slow pass and
-    later runs reuse. Never give two live processes the same directory."""
+    from them (the test suite gives each of its worker processes one). XLA rewrites a cache
+    file whole, so a directory is held (locked) while its process lives: False, and nothing
+    changed, where another live process holds `path`."""
+    global _kernel_home
     path.mkdir(parents=True, exist_ok=True)
-    _KERNEL_DIR[:] = [path]
+    lock = (path / "held").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        return False
+    _HELD.append(lock)  # released when the process ends
+    _kernel_home = path
+    return True
+
+
+_HELD: list = []
 
 
 def _kernel_dir() -> Path:
-    if not _KERNEL_DIR:
-        path = Path(tempfile.mkdtemp(prefix="longt5_jax_kernels_"))
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
-        _KERNEL_DIR.append(path)
-    return _KERNEL_DIR[0]
+    global _kernel_home
+    if _kernel_home is None:
+        _kernel_home = Path(tempfile.mkdtemp(prefix="longt5_jax_kernels_"))
+        atexit.register(shutil.rmtree, _kernel_home, ignore_errors=True)
+    return _kernel_home
 
 
 @contextlib.contextmanager
