@@ -282,7 +282,7 @@ def test_another_model_is_refused_naming_every_differing_path(run, tmp_path, cap
 
 def _logits(config, params, batch):
     return np.asarray(
-        LongT5(config).apply(
+        jax.jit(LongT5(config).apply)(
             {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
         )
     )

@@ -24,7 +24,7 @@ def setup(request):
 
 def _logits(config, params, batch):
     return np.asarray(
-        LongT5(config).apply(
+        jax.jit(LongT5(config).apply)(
             {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
         )
     )

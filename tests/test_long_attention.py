@@ -185,9 +185,9 @@ def test_blocked_attention_equals_dense_oracle(attention, packed, radius, k, len
     blocks = global_blocks(jnp.asarray(seg), jnp.asarray(pos), k) if attention != "local" else None
     side = jnp.asarray(side_table) if blocks is not None else None
     args = (jnp.asarray(x), jnp.asarray(seg), local_bias, blocks, side)
-    params = nn.unbox(layer.init(jax.random.key(0), *args))["params"]
+    params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), *args))["params"]
     params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(1), a.shape), params)
-    ours = np.asarray(layer.apply({"params": params}, *args))
+    ours = np.asarray(jax.jit(layer.apply)({"params": params}, *args))
 
     p = jax.tree.map(np.asarray, params)
     want = dense_long_attention(

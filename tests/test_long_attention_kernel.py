@@ -210,7 +210,7 @@ def test_the_model_trains_the_same_with_the_kernels(dropout, remat):
     ids = jnp.asarray(rng.integers(2, xla.vocab_size, (2, 27)), jnp.int32)
     mask = jnp.asarray(np.arange(27)[None] < np.array([[27], [19]]), jnp.int32)
     targets = jnp.asarray(rng.integers(2, xla.vocab_size, (2, 6)), jnp.int32)
-    params = LongT5(xla).init(jax.random.key(0), ids, mask, targets)["params"]
+    params = jax.jit(LongT5(xla).init)(jax.random.key(0), ids, mask, targets)["params"]
     train = dict(deterministic=False, rngs={"dropout": jax.random.key(3)}) if dropout else {}
 
     def loss(params, config):
@@ -497,7 +497,7 @@ def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
         mask = mask & (np.arange(s)[None, :] <= np.arange(t)[:, None])
     bias = jnp.asarray(rng.normal(size=(heads, t, s)), jnp.float32) if self_attention else None
     layer = _DecoderAttention(dataclasses.replace(xla, dropout_rate=0.0))  # the same parameters
-    params = layer.init(jax.random.key(0), x, source, mask, bias)["params"]
+    params = jax.jit(layer.init)(jax.random.key(0), x, source, mask, bias)["params"]
     params = jax.tree.map(lambda a: a * (1 + 0.3 * rng.normal(size=a.shape)), params)
     real = jnp.asarray(mask.any(-1))[..., None]  # rows that see no key are don't-care
     cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32) * real
@@ -512,7 +512,7 @@ def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
             )
             return jnp.sum(out * cotangent), out
 
-        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
             params, x, source, bias
         )
         return out, grads
@@ -558,7 +558,7 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
             return jnp.sum(out * cotangent), out
 
         args = (params, inputs["x"], inputs["local_table"], inputs["side_table"])
-        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(*args)
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(*args)
         return out, grads
 
     want = run(xla)

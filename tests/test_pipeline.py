@@ -235,16 +235,17 @@ def test_dropout_through_the_stages_draws_the_whole_stacks_masks(stages, micro, 
     )
     ids = jnp.arange(64).reshape(4, 16) % 50 + 2
     dec = jnp.ones((4, 4), jnp.int32)
-    variables = LongT5(config).init(jax.random.key(0), ids, None, dec)
+    variables = jax.jit(LongT5(config).init)(jax.random.key(0), ids, None, dec)
 
-    def logits(runner, config=config, **kwargs):
-        return LongT5(config, runner=runner).apply(variables, ids, None, dec, **kwargs)
+    def logits(runner, config=config, **kwargs):  # jitted: op by op took twice as long
+        model = LongT5(config, runner=runner)
+        return jax.jit(lambda v: model.apply(v, ids, None, dec, **kwargs))(variables)
 
     noisy = dict(deterministic=False, rngs={"dropout": jax.random.key(1)})
     staged = dataclasses.replace(config, scan_layers=scan)
     piped = logits(Pipeline(stages, micro, repeats), staged, **noisy)
     assert np.abs(piped - logits(None)).max() > 1.0  # dropout moves logits by 3.5 here
-    # Measured: |piped - whole| <= 2.1e-6 (1 + |whole|), logits up to 3.7 in size.
+    # Measured: |piped - whole| <= 2.1e-6 (1 + |whole|), logits up to 4.2 in size.
     np.testing.assert_allclose(piped, logits(None, **noisy), rtol=5e-6, atol=5e-6)
 
 
