@@ -17,15 +17,15 @@ from longt5_jax import train
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.objectives import split_sentences
 
-# Processes of each segment of 2 steps. Packed summarization: 1->4, 4->2, 2->1; the other
-# objectives packed: 1->2, 2->1 (their preprocessing's state is saved and split as
-# summarization's is, which goes through 4); packed, the last segment runs on another mesh
-# (data 8, ZeRO-1). Unpacked, whose rows all stand at one position (so a handover to 4
-# processes splits nothing a handover to 1 does not): 2->1. A chain starts
-# and ends on one process where it can: those segments run in the test's own process, whose
-# programs are compiled already, while each process started costs ~12 CPU-s (two processes of
-# 2 steps took 16 s here, four 29.5 s).
-LONG, SHORT, UNPACKED = (1, 4, 2, 1), (1, 2, 1), (2, 1)
+# Processes of each segment of 2 steps. Packed summarization: 1->4, 4->1; the other objectives
+# packed: 1->2, 2->1 (their preprocessing's state is saved and split as summarization's is,
+# which goes through 4); packed, the last segment runs on another mesh (data 8, ZeRO-1).
+# Unpacked, whose rows all stand at one position: 2->1. (Each handover regroups one position
+# per global row between processes: 4->2 after 1->4 and 2->1 was no other code.) A chain
+# starts and ends on one process where it can: those segments run in the test's own process,
+# whose programs are compiled already, while each process started costs ~12 CPU-s (two
+# processes of 2 steps took 16 s here, four 29.5 s).
+LONG, SHORT, UNPACKED = (1, 4, 1), (1, 2, 1), (2, 1)
 OTHER_MESH = ["--gin.ParallelConfig.data=8", "--gin.ParallelConfig.tensor=1", "--gin.ZERO_STAGE=1"]
 # One learning-rate schedule for every chain: every parametrisation then runs the same programs
 # (per process count and mesh), which later ones read back from the persistent cache.
