@@ -20,7 +20,9 @@ from reference import padded_batch
 from test_train import TINY_RUN, child_env, train_command
 
 from longt5_jax import train
+from longt5_jax.ckpt import commands
 from longt5_jax.ckpt.__main__ import main as ckpt
+from longt5_jax.ckpt.commands import Arrays
 from longt5_jax.ckpt.convert import native_params, write_native
 from longt5_jax.formats import t5x
 from longt5_jax.formats.native import is_complete, model_config, resolve, step_dirs, step_of
@@ -108,6 +110,25 @@ def test_tree_reads_metadata_only_on_any_device_count(run, tmp_path, capsys):
     assert json.loads(out.stdout) == rows
     rc, report, _ = _json(capsys, "verify", copy)  # ... while reading the arrays fails
     assert rc == 1 and not report["ok"] and "unreadable" in report["problems"][0]
+
+
+def test_arrays_are_read_in_batches_of_bounded_size(run, monkeypatch):
+    """Restored a few at a time (one restore an array cost 18 ms each), never more than
+    BATCH_BYTES together unless one array is larger alone: the same arrays either way."""
+    step3 = run / "checkpoints" / "3"
+    want = _restore_all(step3)
+    arrays = Arrays(step3)
+    assert len(list(arrays.batches())) == 1  # the tiny run: one restore
+    monkeypatch.setattr(commands, "BATCH_BYTES", 4096)
+    runs = list(arrays.batches())
+    assert [n for run_ in runs for n in run_] == arrays.names and len(runs) > 3
+    for run_ in runs:
+        sizes = [want[n].nbytes for n in run_]
+        assert len(run_) == 1 or sum(sizes) <= 4096
+    got = dict(arrays)
+    assert got.keys() == want.keys()
+    for name, x in want.items():
+        np.testing.assert_array_equal(got[name], x)
 
 
 def test_stats_config_and_verify(run, capsys):

@@ -89,13 +89,12 @@ def native_params(step_dir: Path) -> dict:
     """The parameters of a native checkpoint as nested dicts of host float32 arrays."""
     arrays = Arrays(step_dir)
     params: dict = {}
-    for name in arrays.names:
-        if name.startswith("params/"):
-            *parents, leaf = name.split("/")[1:]
-            node = params
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = arrays.read(name).astype(np.float32)
+    for name, x in arrays.items([name for name in arrays.names if name.startswith("params/")]):
+        *parents, leaf = name.split("/")[1:]
+        node = params
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = x.astype(np.float32)
     if not params:
         raise CheckpointError(f"{step_dir}: no parameters in this checkpoint")
     return params
