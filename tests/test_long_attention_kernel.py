@@ -352,9 +352,14 @@ def test_a_published_size_layer_compiles_for_an_h100(launch):
     assert not re.search(rf"= {table_type} scatter\(", text)
 
 
+# In the slow run (each 25-30 s of compiles): the default run compiles the kernels in the
+# sharded train step and on each device's rows and heads.
 STAGED = [
     # Two pipeline stages (a shard_map manual over the stages) on H100s.
-    ("h100-80gb", ParallelConfig(1, 1, 2, 0, pipeline_microbatches=4), 1),
+    pytest.param(
+        "h100-80gb", ParallelConfig(1, 1, 2, 0, pipeline_microbatches=4), 1,
+        marks=pytest.mark.slow,
+    ),
     # Tensor 2 x pipeline 2 with 2 accumulation microbatches on A100s: the kernels' own region
     # over `tensor` nested in the step's region over the stages.
     pytest.param(
