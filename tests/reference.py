@@ -56,6 +56,16 @@ def padded_batch(
     return Batch(ids, mask, dec, dmask, labels)
 
 
+def logits(config: LongT5Config, params, batch: Batch) -> np.ndarray:
+    """Our model's logits of `batch` (jitted), as numpy."""
+    model = LongT5(config)
+    return np.asarray(
+        jax.jit(model.apply)(
+            {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
+        )
+    )
+
+
 def torch_model(config: LongT5Config, params):
     """transformers' LongT5ForConditionalGeneration holding exactly `params`, in eval mode."""
     return torch_longt5(config, params)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from reference import padded_batch, random_params, torch_model
+from reference import logits, padded_batch, random_params, torch_model
 
 from longt5_jax.formats import hf
-from longt5_jax.model import LongT5, LongT5Config
+from longt5_jax.model import LongT5Config
 
 
 @pytest.fixture(scope="module", params=["local", "transient-global"])
@@ -20,14 +20,6 @@ def setup(request):
     params = random_params(config, seed=7)
     batch = padded_batch(config, [19, 11], [6, 4], 19, 6, seed=1)
     return config, params, batch
-
-
-def _logits(config, params, batch):
-    return np.asarray(
-        jax.jit(LongT5(config).apply)(
-            {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
-        )
-    )
 
 
 def _torch_logits(model, batch):
@@ -62,7 +54,7 @@ def test_transformers_loads_our_save_with_the_same_logits(setup, tmp_path):
     assert not any(info.values()), info  # nothing missing, unexpected or re-initialised
     assert not model.config.tie_word_embeddings
     theirs = _torch_logits(model.eval(), batch)
-    np.testing.assert_allclose(_logits(config, params, batch), theirs, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(logits(config, params, batch), theirs, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
@@ -86,7 +78,7 @@ def test_tied_checkpoints_load_with_the_output_scale_folded_in(setup, tmp_path):
     model.save_pretrained(tmp_path)
     loaded_config, loaded = hf.load(tmp_path)
     np.testing.assert_allclose(
-        _logits(loaded_config, loaded, batch), _torch_logits(model, batch), rtol=1e-5, atol=1e-4
+        logits(loaded_config, loaded, batch), _torch_logits(model, batch), rtol=1e-5, atol=1e-4
     )
 
 

@@ -90,6 +90,7 @@ def _kernel_cache(device_kind: str) -> dict[str, str] | None:
 
 
 _kernel_home: Path | None = None  # this process's kernel cache directory, once made or kept
+_HELD: list = []  # the locks of kept directories, released when the process ends
 
 
 def keep_kernels_in(path: Path) -> bool:
@@ -106,12 +107,9 @@ def keep_kernels_in(path: Path) -> bool:
     except OSError:
         lock.close()
         return False
-    _HELD.append(lock)  # released when the process ends
+    _HELD.append(lock)
     _kernel_home = path
     return True
-
-
-_HELD: list = []
 
 
 def _kernel_dir() -> Path:
