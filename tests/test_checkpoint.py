@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 import transformers
-from reference import padded_batch
+from reference import logits, padded_batch
 from test_train import TINY_RUN, child_env, train_command
 
 from longt5_jax import train
@@ -26,7 +26,6 @@ from longt5_jax.ckpt.commands import Arrays
 from longt5_jax.ckpt.convert import native_params, write_native
 from longt5_jax.formats import t5x
 from longt5_jax.formats.native import is_complete, model_config, resolve, step_dirs, step_of
-from longt5_jax.model import LongT5
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +191,15 @@ def test_not_a_checkpoint_incomplete_and_corrupt_give_one_line_errors(run, tmp_p
     rc, report, _ = _json(capsys, "verify", broken.parent.parent)
     assert rc == 1 and "unreadable: truncated or corrupt" in report["problems"][0]
     assert ckpt(["verify", str(broken)]) == 1 and "PROBLEMS" in capsys.readouterr().out
+    # As a user runs it: the arrays read together fail in one line, not a traceback for each
+    # read orbax abandons.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "longt5_jax.ckpt", "stats", str(broken)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert "unreadable: truncated or corrupt" in out.stderr
     (broken / "state" / "_METADATA").unlink()
     assert "metadata" in _error(capsys, "tree", broken)
 
@@ -301,14 +309,6 @@ def test_another_model_is_refused_naming_every_differing_path(run, tmp_path, cap
     )
 
 
-def _logits(config, params, batch):
-    return np.asarray(
-        jax.jit(LongT5(config).apply)(
-            {"params": params}, batch.input_ids, batch.attention_mask, batch.decoder_input_ids
-        )
-    )
-
-
 def test_native_to_hf_gives_transformers_our_logits_and_back(run, tmp_path, capsys):
     step3 = run / "checkpoints" / "3"
     config, params = model_config(step3), native_params(step3)
@@ -322,7 +322,7 @@ def test_native_to_hf_gives_transformers_our_logits_and_back(run, tmp_path, caps
             attention_mask=torch.tensor(batch.attention_mask),
             decoder_input_ids=torch.tensor(batch.decoder_input_ids).long(),
         ).logits.numpy()
-    ours = _logits(config, params, batch)
+    ours = logits(config, params, batch)
     valid = batch.decoder_attention_mask.astype(bool)
     np.testing.assert_allclose(
         theirs[valid], ours[valid], rtol=1e-5, atol=1e-5 * np.abs(ours).max()
@@ -348,7 +348,7 @@ def test_t5x_to_native_gives_our_logits(run, tmp_path, capsys):
     assert model_config(converted) == config
     batch = padded_batch(config, [250, 64], [12, 24], 256, 24, seed=4)
     valid = batch.decoder_attention_mask.astype(bool)
-    ours, theirs = _logits(config, params, batch), _logits(config, native_params(converted), batch)
+    ours, theirs = logits(config, params, batch), logits(config, native_params(converted), batch)
     np.testing.assert_allclose(theirs[valid], ours[valid], rtol=1e-6, atol=1e-6)
 
 

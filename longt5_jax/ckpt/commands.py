@@ -22,6 +22,7 @@ from longt5_jax.formats.native import (
     CheckpointError,
     array_infos,
     is_complete,
+    quiet_failed_reads,
     resolve,
     saved_config,
     saved_tree,
@@ -92,9 +93,10 @@ class Arrays:
         leaves, self._treedef = jax.tree_util.tree_flatten_with_path(saved_tree(step_dir))
         self._metadata = [m for _, m in leaves]
         self.names = [path_text(p) for p, _ in leaves]
+        self._index = {name: i for i, name in enumerate(self.names)}
 
     def _restore(self, names: list[str]) -> dict[str, np.ndarray]:
-        wanted = sorted(self.names.index(name) for name in names)
+        wanted = sorted(self._index[name] for name in names)
 
         def only(values):  # orbax skips PLACEHOLDER leaves
             leaves = [ocp.PLACEHOLDER] * len(self.names)
@@ -106,6 +108,7 @@ class Arrays:
             item=only(self._metadata),
             restore_args=only([ocp.RestoreArgs(restore_type=np.ndarray)] * len(self.names)),
         )
+        quiet_failed_reads()  # several reads in flight: orbax abandons the rest on an error
         try:
             out = ocp.PyTreeCheckpointer().restore(self.step_dir / "state", args=args)
         except (ValueError, TypeError, KeyError, OSError) as e:
@@ -113,14 +116,25 @@ class Arrays:
         leaves = jax.tree.leaves(out)  # the others came back as PLACEHOLDER
         return {self.names[i]: np.asarray(leaves[i]) for i in wanted}
 
-    def read_many(self, names: list[str]) -> dict[str, np.ndarray]:
-        """The arrays `names`, restored together; an unreadable one is named in the error."""
+    def read_many(
+        self, names: list[str], errors: list[CheckpointError] | None = None
+    ) -> dict[str, np.ndarray]:
+        """The arrays `names`, restored together. Where that fails, each is read alone: the
+        error naming an unreadable one is raised or, given `errors`, appended there (and the
+        readable ones returned)."""
         try:
             return self._restore(names)
         except CheckpointError:
-            if len(names) == 1:
-                raise
-            return {name: self._restore([name])[name] for name in names}
+            pass
+        read = {}
+        for name in names:
+            try:
+                read[name] = self._restore([name])[name]
+            except CheckpointError as e:
+                if errors is None:
+                    raise
+                errors.append(e)
+        return read
 
     def read(self, name: str) -> np.ndarray:
         return self._restore([name])[name]
@@ -130,7 +144,7 @@ class Arrays:
         alone)."""
         run, size = [], 0
         for name in self.names if names is None else names:
-            meta = self._metadata[self.names.index(name)]
+            meta = self._metadata[self._index[name]]
             nbytes = math.prod(meta.shape) * np.dtype(meta.dtype).itemsize
             if run and size + nbytes > BATCH_BYTES:
                 yield run
@@ -213,15 +227,9 @@ def verify(ckpt: str | Path) -> dict:
     except CheckpointError as e:
         return {"path": str(step_dir), "arrays": 0, "bytes": 0, "problems": [str(e)], "ok": False}
     for run in arrays.batches():
-        try:
-            read = arrays.read_many(run)
-        except CheckpointError:  # every unreadable array of the run, not only the first
-            read = {}
-            for name in run:
-                try:
-                    read[name] = arrays.read(name)
-                except CheckpointError as e:
-                    problems.append(str(e))
+        errors: list[CheckpointError] = []  # every unreadable array of the run, not the first
+        read = arrays.read_many(run, errors)
+        problems += [str(e) for e in errors]
         for name, x in read.items():
             count, size = count + 1, size + x.nbytes
             if tuple(x.shape) != infos[name].shape:
