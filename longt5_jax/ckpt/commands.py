@@ -94,6 +94,7 @@ class Arrays:
         self._metadata = [m for _, m in leaves]
         self.names = [path_text(p) for p, _ in leaves]
         self._index = {name: i for i, name in enumerate(self.names)}
+        quiet_failed_reads()  # several reads in flight: orbax abandons the rest on an error
 
     def _restore(self, names: list[str]) -> dict[str, np.ndarray]:
         wanted = sorted(self._index[name] for name in names)
@@ -108,7 +109,6 @@ class Arrays:
             item=only(self._metadata),
             restore_args=only([ocp.RestoreArgs(restore_type=np.ndarray)] * len(self.names)),
         )
-        quiet_failed_reads()  # several reads in flight: orbax abandons the rest on an error
         try:
             out = ocp.PyTreeCheckpointer().restore(self.step_dir / "state", args=args)
         except (ValueError, TypeError, KeyError, OSError) as e:
@@ -136,9 +136,6 @@ class Arrays:
                 errors.append(e)
         return read
 
-    def read(self, name: str) -> np.ndarray:
-        return self._restore([name])[name]
-
     def batches(self, names: list[str] | None = None) -> Iterator[list[str]]:
         """`names` (every array's by default) in runs of up to BATCH_BYTES (a larger array
         alone)."""
@@ -149,7 +146,8 @@ class Arrays:
             if run and size + nbytes > BATCH_BYTES:
                 yield run
                 run, size = [], 0
-            run, size = [*run, name], size + nbytes
+            run.append(name)
+            size += nbytes
         if run:
             yield run
 
