@@ -2,8 +2,8 @@
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
 # dependencies importable, within BUDGET seconds (default 540), most informative first (device
 # time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
-# picks and orders the sections (default "kernels launch adafactor xla profile rest transformers
-# unrolled"):
+# picks and orders the sections (default "kernels launch fill adafactor xla profile rest
+# transformers unrolled"):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
 #     float32 and bfloat16; the first of LAUNCHES checked), each kernel's time, registers and
 #     occupancy (--trace), the layer's time and kernels under each launch setting of LAUNCHES
@@ -12,6 +12,10 @@
 #   goals: bench device on the goal cases (the first two of CASES), the kernels' default launch;
 #   launch: each goal case's step with the default launch (if not yet measured), then with the
 #     fastest of `kernels` (if that is not the default);
+#   fill: the goal models at the batch that fills the GPU (FILL), with the fastest launch: the
+#     field's MFU figures are at such batches, and one example of xl 4k leaves the AdamW update
+#     14% of the step; deviceless (H100, AdamW), xl 4k x 8 save_attention 58.0% roofline MFU in
+#     51.0 GiB and x 4 save_dots 54.7% in 62.2 GiB, against x 1 save_dots' 38.3%;
 #   adafactor: the goal cases with the fastest launch, updated by Adafactor (the training loop's
 #     default, LongT5's T5X setup; every other step is AdamW's, as the field's MFU figures are):
 #     deviceless, xl 4k save_dots 274 -> 249 GB a step, roofline MFU 38.3% -> 41.2%;
@@ -26,7 +30,7 @@
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
 # occupancy of each kernel from the profiler's trace instead.)
 # Results go to ${GPU_CHECK_OUT:-bench_out/gpu_check}: log.txt (timestamped sections), each
-# benchmark's JSON, and gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, LAUNCHES override.
+# benchmark's JSON, and gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, LAUNCHES override.
 set -uo pipefail
 out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 # The goal cases in the remat policy fastest with the kernels (each beside XLA's attention), then
@@ -38,6 +42,7 @@ kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed
 # side keys 32 at a time, deviceless), Local's forward and dq whole (split by default: 29-33%
 # faster on an H100, 2026-11-27). 4 warps do not compile the encoder's backward (a boolean tile
 # staged through shared memory).
+fill="${FILL:-xl:4096:8:save_attention xl:4096:4:save_dots}"
 launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 encoder_attention_dq=4:3:2 encoder_local_*=8:3}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
@@ -82,6 +87,7 @@ device() {
   # run within 200 s (2026-11-27).
   [ "$variant" = "${kernel}:unrolled" ] && layers=--no-scan_layers limit=200
   [ "$variant" = "${kernel}:adafactor" ] && optimizer=adafactor
+  [ "$variant" = "${kernel}:fill" ] && limit=150 # 8 examples of xl 4k a step
   section "bench device $case $variant ${3:-}"
   run "$limit" python3 -m longt5_jax.bench device --no-deviceless --steps 5 --warmup 2 \
     --attention_kernel "$kernel" "$layers" --launch "${3:-}" --optimizer "$optimizer" \
@@ -118,6 +124,7 @@ step_launch() {
     [ -n "$best" ] && device "$case" pallas:launch "$best"
   done
 }
+step_fill() { for case in $fill; do device "$case" pallas:fill "$best"; done; }
 step_adafactor() { for case in $goals; do device "$case" pallas:adafactor "$best"; done; }
 step_unrolled() { for case in $goals; do device "$case" pallas:unrolled "$best"; done; }
 step_profile() {
@@ -146,7 +153,7 @@ step_transformers() {
     --transformers --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" \
     --cases "$first"
 }
-for step in ${STEPS:-kernels launch adafactor xla profile rest transformers unrolled}; do
+for step in ${STEPS:-kernels launch fill adafactor xla profile rest transformers unrolled}; do
   "step_$step"
 done
 section "done"

@@ -54,6 +54,8 @@ def test_a_lease_times_the_kernels_first_then_each_goal_with_the_fastest_launch(
         ("device", base, "pallas", SPLIT, ""),
         ("device", xl, "pallas", "", ""),
         ("device", xl, "pallas", SPLIT, ""),
+        ("device", "xl:4096:8:save_attention", "pallas", SPLIT, ""),  # a batch that fills it
+        ("device", "xl:4096:4:save_dots", "pallas", SPLIT, ""),
         ("device", base, "pallas", SPLIT, "adafactor"),  # the training loop's optimizer
         ("device", xl, "pallas", SPLIT, "adafactor"),
         ("device", "base:16384:2:full", "xla", "", ""),  # save_attention is full remat's program
