@@ -431,13 +431,22 @@ def _train_cmd(model_dir, *extra):
     return train_command(model_dir, "--gin.CheckpointConfig.save_every=3", *extra)
 
 
+_STEPS = 14  # the whole schedule (train_command's)
+
+
+def _logged(lines: list, step: int) -> bool:
+    return any(line.startswith(f"step {step:6d}/") for line in lines)
+
+
 def _rows(model_dir):
     return [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _kill_once(cmd, env, model_dir, during_save: bool, after_step: int, delay: float) -> str:
     """Run `cmd` and SIGKILL it: as soon as an asynchronous save is under way, or `delay`
-    seconds after it logs `after_step`. Returns what it was killed during (or that it ended)."""
+    seconds after it logs `after_step` but no later than its last step's line, before that
+    step's save (a kill after the run's last save would leave nothing for the next kills).
+    Returns what it was killed during (or that it ended)."""
     import threading
     import time
 
@@ -457,11 +466,13 @@ def _kill_once(cmd, env, model_dir, during_save: bool, after_step: int, delay: f
                 proc.wait()
                 return f"save {tmp[0]}"
             time.sleep(0.002)
-        elif any(line.startswith(f"step {after_step:6d}/") for line in logged):
-            time.sleep(delay)
+        elif _logged(logged, after_step):
+            since = time.monotonic()
+            while time.monotonic() - since < delay and not _logged(logged, _STEPS):
+                time.sleep(0.002)
             proc.kill()
             proc.wait()
-            return f"{delay:.2f}s after step {after_step}"
+            return f"{time.monotonic() - since:.2f}s after step {after_step}"
         else:
             time.sleep(0.01)
     if proc.poll() is None:
@@ -479,14 +490,15 @@ def test_five_kills_anywhere_then_rerun_log_the_uninterrupted_losses_bitwise(tmp
     rng = random.Random(seed)
     env = child_env("JAX_PLATFORMS")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    extra = ["--gin.RunConfig.train_steps=14"]  # the whole schedule (train_command's)
+    extra = [f"--gin.RunConfig.train_steps={_STEPS}"]
     done = subprocess.run(_train_cmd(whole, *extra), capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     kills = []
     for i in range(5):
         during_save = i in (1, 3)
         saved = [step_of(d) for d in step_dirs(killed) if is_complete(d)] if killed.exists() else []
-        at = rng.randint(max(saved, default=0) + 1, 13)  # a step the rerun will log
+        assert max(saved, default=0) < _STEPS, (seed, kills)  # the run has steps left to kill
+        at = rng.randint(max(saved, default=0) + 1, _STEPS - 1)  # a step the rerun will log
         kills.append(
             _kill_once(_train_cmd(killed, *extra), env, killed, during_save, at, rng.random())
         )
