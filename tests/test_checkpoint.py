@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from reference import logits, padded_batch
-from test_train import TINY_RUN, child_env, train_command
+from test_train import SCHEDULE_STEPS, TINY_RUN, child_env, train_command
 
 from longt5_jax import train
 from longt5_jax.ckpt import commands
@@ -431,9 +431,6 @@ def _train_cmd(model_dir, *extra):
     return train_command(model_dir, "--gin.CheckpointConfig.save_every=3", *extra)
 
 
-_STEPS = 14  # the whole schedule (train_command's)
-
-
 def _logged(lines: list, step: int) -> bool:
     return any(line.startswith(f"step {step:6d}/") for line in lines)
 
@@ -468,7 +465,7 @@ def _kill_once(cmd, env, model_dir, during_save: bool, after_step: int, delay: f
             time.sleep(0.002)
         elif _logged(logged, after_step):
             since = time.monotonic()
-            while time.monotonic() - since < delay and not _logged(logged, _STEPS):
+            while time.monotonic() - since < delay and not _logged(logged, SCHEDULE_STEPS):
                 time.sleep(0.002)
             proc.kill()
             proc.wait()
@@ -490,15 +487,16 @@ def test_five_kills_anywhere_then_rerun_log_the_uninterrupted_losses_bitwise(tmp
     rng = random.Random(seed)
     env = child_env("JAX_PLATFORMS")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    extra = [f"--gin.RunConfig.train_steps={_STEPS}"]
+    extra = [f"--gin.RunConfig.train_steps={SCHEDULE_STEPS}"]
     done = subprocess.run(_train_cmd(whole, *extra), capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     kills = []
     for i in range(5):
         during_save = i in (1, 3)
         saved = [step_of(d) for d in step_dirs(killed) if is_complete(d)] if killed.exists() else []
-        assert max(saved, default=0) < _STEPS, (seed, kills)  # the run has steps left to kill
-        at = rng.randint(max(saved, default=0) + 1, _STEPS - 1)  # a step the rerun will log
+        last = max(saved, default=0)
+        assert last < SCHEDULE_STEPS, (seed, kills)  # the run has steps left to kill
+        at = rng.randint(last + 1, SCHEDULE_STEPS - 1)  # a step the rerun will log
         kills.append(
             _kill_once(_train_cmd(killed, *extra), env, killed, during_save, at, rng.random())
         )

@@ -48,8 +48,11 @@ def child_env(*drop: str) -> dict[str, str]:
     return env
 
 
+SCHEDULE_STEPS = 14  # the learning-rate schedule of every run `train_command` starts
+
+
 def train_command(model_dir, *extra: str) -> list[str]:
-    """The tiny run in a process of its own, on demo.gin's 8 fake devices. One 14-step schedule
+    """The tiny run in a process of its own, on demo.gin's 8 fake devices. One schedule
     for every test that starts one, so that they all run one program, compiled once."""
     return [
         sys.executable,
@@ -57,7 +60,7 @@ def train_command(model_dir, *extra: str) -> list[str]:
         "longt5_jax.train",
         *TINY_RUN[:1],
         *TINY_RUN[2:],
-        "--gin.OptimizerConfig.total_steps=14",
+        f"--gin.OptimizerConfig.total_steps={SCHEDULE_STEPS}",
         *extra,
         f"--gin.MODEL_DIR='{model_dir}'",
     ]
