@@ -31,7 +31,8 @@
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
 # occupancy of each kernel from the profiler's trace instead.)
 # Results go to ${GPU_CHECK_OUT:-bench_out/gpu_check}: log.txt (timestamped sections), each
-# benchmark's JSON, and gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, LAUNCHES override.
+# benchmark's JSON, autotune/ (XLA's autotuning results, which every process after the first
+# reuses), and gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, LAUNCHES override.
 set -uo pipefail
 out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 # The goal cases in the remat policy fastest with the kernels (each beside XLA's attention), then
@@ -70,8 +71,22 @@ trap pack EXIT
 section "GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv \
   2>&1 | tee -a "$out/log.txt"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
-'optax', optax.__version__, jax.devices())" 2>&1 | tee -a "$out/log.txt"
+# XLA's autotuning results per matmul fusion, kept for the run's later processes: the cases and
+# their variants compile the same fusions, so each is autotuned once and every variant runs the
+# same matmul tilings. Only the chosen tilings are kept, no kernels (XLA's kernel cache can lose
+# Hopper kernels' TMA metadata, openxla/xla#35951). A jaxlib that does not know the flag aborts
+# every process given it, so the first one here asks.
+flag="--xla_gpu_per_fusion_autotune_cache_dir=$out/autotune"
+mkdir -p "$out/autotune"
+versions="import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, jax.devices())"
+if report=$(XLA_FLAGS="${XLA_FLAGS:-} $flag" python3 -c "$versions" 2>&1); then
+  export XLA_FLAGS="${XLA_FLAGS:-} $flag"
+else
+  report="$(python3 -c "$versions" 2>&1)
+no autotuning cache: this jaxlib refused $flag"
+fi
+echo "$report" | tee -a "$out/log.txt"
 python3 -c "import longt5_jax.bench.__main__" 2>&1 | tee -a "$out/log.txt" || exit 1
 
 # device CASE VARIANT [LAUNCH]: one step measurement; VARIANT is pallas, pallas:unrolled,
