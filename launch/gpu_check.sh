@@ -31,8 +31,9 @@
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
 # occupancy of each kernel from the profiler's trace instead.)
 # Results go to ${GPU_CHECK_OUT:-bench_out/gpu_check}: log.txt (timestamped sections), each
-# benchmark's JSON, autotune/ (XLA's autotuning results, which every process after the first
-# reuses), and gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, LAUNCHES override.
+# benchmark's JSON, autotune/ (XLA's autotuning results, which each step after the first reads
+# back: a case's variants autotune their shared matmuls once and run the same tilings), and
+# gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, LAUNCHES override.
 set -uo pipefail
 out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 # The goal cases in the remat policy fastest with the kernels (each beside XLA's attention), then
@@ -71,22 +72,8 @@ trap pack EXIT
 section "GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv \
   2>&1 | tee -a "$out/log.txt"
-# XLA's autotuning results per matmul fusion, kept for the run's later processes: the cases and
-# their variants compile the same fusions, so each is autotuned once and every variant runs the
-# same matmul tilings. Only the chosen tilings are kept, no kernels (XLA's kernel cache can lose
-# Hopper kernels' TMA metadata, openxla/xla#35951). A jaxlib that does not know the flag aborts
-# every process given it, so the first one here asks.
-flag="--xla_gpu_per_fusion_autotune_cache_dir=$out/autotune"
-mkdir -p "$out/autotune"
-versions="import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
-'optax', optax.__version__, jax.devices())"
-if report=$(XLA_FLAGS="${XLA_FLAGS:-} $flag" python3 -c "$versions" 2>&1); then
-  export XLA_FLAGS="${XLA_FLAGS:-} $flag"
-else
-  report="$(python3 -c "$versions" 2>&1)
-no autotuning cache: this jaxlib refused $flag"
-fi
-echo "$report" | tee -a "$out/log.txt"
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, jax.devices())" 2>&1 | tee -a "$out/log.txt"
 python3 -c "import longt5_jax.bench.__main__" 2>&1 | tee -a "$out/log.txt" || exit 1
 
 # device CASE VARIANT [LAUNCH]: one step measurement; VARIANT is pallas, pallas:unrolled,
@@ -107,7 +94,8 @@ device() {
   section "bench device $case $variant ${3:-}"
   run "$limit" python3 -m longt5_jax.bench device --no-deviceless --steps 5 --warmup 2 \
     --attention_kernel "$kernel" "$layers" --launch "${3:-}" --optimizer "$optimizer" \
-    --out_dir "$out/device_${variant//:/_}_${case//:/_}" --cases "$case"
+    --autotune_cache "$out/autotune" --out_dir "$out/device_${variant//:/_}_${case//:/_}" \
+    --cases "$case"
 }
 
 read -r first second rest <<<"$cases"
@@ -166,8 +154,8 @@ step_rest() {
 step_transformers() {
   section "transformers on $first"
   run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 \
-    --transformers --attention_kernel pallas --launch "$best" --out_dir "$out/transformers" \
-    --cases "$first"
+    --transformers --attention_kernel pallas --launch "$best" --autotune_cache "$out/autotune" \
+    --out_dir "$out/transformers" --cases "$first"
 }
 for step in ${STEPS:-kernels fill launch adafactor xla profile rest transformers unrolled}; do
   "step_$step"

@@ -1,7 +1,11 @@
 """The benchmarks run end to end on tiny sizes and write their JSON (no timing is asserted)."""
 
 import json
+import subprocess
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from longt5_jax.bench import data
@@ -91,3 +95,33 @@ def test_device_rows_without_the_deviceless_compile_show_transformers_speedup(ca
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.split()[:5] == ["base:16384:2:full", "0.199", "169895", "13.9%", "18.6%"]
     assert "  4.96  (not compiled (--no-deviceless))" in line
+
+
+def test_the_device_step_keeps_xlas_autotuning_where_asked_and_compiles_without_where_refused(
+    tmp_path, monkeypatch
+):
+    from longt5_jax.bench import device
+
+    x = jnp.arange(64.0).reshape(8, 8)
+    lowered = jax.jit(lambda a: a @ a).lower(x)
+    assert device._compile(lowered, None)[1] is None
+    cache = tmp_path / "autotune"
+    compiled, kept = device._compile(lowered, cache)
+    assert kept == str(cache) and cache.is_dir()
+    np.testing.assert_array_equal(compiled(x), x @ x)
+    # A jaxlib that does not know the option: the step compiles without it, and says so.
+    monkeypatch.setattr(device, "AUTOTUNE_CACHE_OPTION", "xla_gpu_no_such_option")
+    compiled, kept = device._compile(lowered, cache)
+    assert kept.startswith("not kept: ") and "xla_gpu_no_such_option" in kept
+    np.testing.assert_array_equal(compiled(x), x @ x)
+    # Each case's GPU process is given the directory.
+    runs = []
+
+    def run(cmd, **kwargs):
+        runs.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=device._RESULT + "{}\n")
+
+    monkeypatch.setattr(device.subprocess, "run", run)
+    args = device._parser().parse_args(["--autotune_cache", str(cache)])
+    assert device._child(args, "gpu", "tiny:64:2:none") == {}
+    assert runs[0][runs[0].index("--autotune_cache") + 1] == str(cache)

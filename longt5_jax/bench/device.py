@@ -48,6 +48,7 @@ from longt5_jax.training.step import StepConfig
 CASES = ["base:4096:8:none", "base:16384:2:full", "large:4096:4:full", "xl:4096:2:full"]
 _RESULT = "RESULT "
 _NO_GPU = "bench device runs the step on a GPU; this process has none"
+AUTOTUNE_CACHE_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
 
 
 def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -> None:
@@ -109,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"
     )
+    keep = "keep XLA's autotuning results in DIR: later runs skip it and run the same tilings"
+    p.add_argument("--autotune_cache", type=Path, metavar="DIR", help=keep)
     p.add_argument("--child", choices=["gpu", "deviceless", "torch"], help=argparse.SUPPRESS)
     return p
 
@@ -191,7 +194,7 @@ def _on_gpu(args, case: str) -> dict:
     features = random_batch(b, length, target_length, config.vocab_size)
     batch = jax.device_put({k: jnp.asarray(v) for k, v in features.items()}, step.batch_sharding)
     began = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled, autotune_cache = _compile(step.lower(state, batch), args.autotune_cache)
     compile_s = time.perf_counter() - began
     times, losses = [], []
     for i in range(args.warmup + args.steps):
@@ -209,6 +212,7 @@ def _on_gpu(args, case: str) -> dict:
     return {
         "device": device.device_kind,
         "compile_s": compile_s,
+        "autotune_cache": autotune_cache,
         "memory": hlo.memory(compiled).as_dict(),
         "allocator_peak": int((device.memory_stats() or {}).get("peak_bytes_in_use", 0)),
         "step_s": seconds,
@@ -261,6 +265,22 @@ def _transformers(args, case: str, device: str = "cuda") -> dict:
     }
 
 
+def _compile(lowered, autotune_cache: Path | None):
+    """(the compiled step, what became of `autotune_cache`). Only the autotuner's choices are
+    kept there, no kernels (XLA's kernel cache can lose Hopper kernels' TMA metadata,
+    openxla/xla#35951). A jaxlib that does not know the option compiles without it."""
+    if autotune_cache is None:
+        return lowered.compile(), None
+    autotune_cache.mkdir(parents=True, exist_ok=True)
+    try:
+        options = {AUTOTUNE_CACHE_OPTION: str(autotune_cache)}
+        return lowered.compile(options), str(autotune_cache)
+    except Exception as e:  # noqa: BLE001 - jaxlib's error types vary; only this one is ours
+        if AUTOTUNE_CACHE_OPTION not in str(e):
+            raise
+        return lowered.compile(), f"not kept: {str(e).splitlines()[0]}"
+
+
 def _child(args, kind: str, case: str) -> dict:
     """Run one case's `kind` in a process of its own; its report comes back on stdout."""
     env = dict(os.environ)
@@ -271,6 +291,8 @@ def _child(args, kind: str, case: str) -> dict:
     cmd = [sys.executable, "-m", "longt5_jax.bench", "device", "--child", kind, "--cases", case]
     cmd += step_argv(args) + ["--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup)]
+    if args.autotune_cache:
+        cmd += ["--autotune_cache", str(args.autotune_cache)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
     if not lines:
