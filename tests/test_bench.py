@@ -125,3 +125,16 @@ def test_the_device_step_keeps_xlas_autotuning_where_asked_and_compiles_without_
     args = device._parser().parse_args(["--autotune_cache", str(cache)])
     assert device._child(args, "gpu", "tiny:64:2:none") == {}
     assert runs[0][runs[0].index("--autotune_cache") + 1] == str(cache)
+
+
+def test_transformers_step_beside_ours_trains_on_the_cpu(tmp_path):
+    """`bench device --transformers`' reference step, run here so that a broken one is found
+    before it spends GPU time: transformers' LongT5 of the case's size, on the case's batch."""
+    import transformers
+
+    from longt5_jax.bench import device
+
+    args = device._parser().parse_args(["--target_length", "16", "--warmup", "1", "--steps", "2"])
+    report = device._transformers(args, "tiny:64:2:full", device="cpu")
+    assert report["version"] == transformers.__version__ and report["allocator_peak"] == 0
+    assert report["step_s"] > 0

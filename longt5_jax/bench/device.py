@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax import cli
+from longt5_jax.bench import torch_reference
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
-from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config
 from longt5_jax.model import kernel_base as base
 from longt5_jax.model.config import REMAT_POLICIES
@@ -228,41 +228,12 @@ def _on_gpu(args, case: str) -> dict:
 
 
 def _transformers(args, case: str, device: str = "cuda") -> dict:
-    """transformers' PyTorch LongT5 of the same size, batch and precision (float32 weights,
-    bf16 autocast, AdamW; gradient checkpointing where our case rematerialises) on this GPU."""
-    # torch, transformers: the optional reference (the test extra), only for --transformers
-    import torch
-    import transformers
-
+    """transformers' PyTorch LongT5 of the same size, batch and precision on this GPU."""
     model, length, b, remat = parse_case(case)
     config = LongT5Config.preset(model, args.attention)
-    net = transformers.LongT5ForConditionalGeneration(
-        transformers.LongT5Config(**hf.config_to_hf(config))
-    ).to(device)
-    net.config.use_cache = False  # training: no decoder cache
-    if remat != "none":
-        net.gradient_checkpointing_enable()
-    net.train()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=device == "cuda")
-    features = random_batch(b, length, args.target_length, config.vocab_size)
-    inputs = {k: v.to(device) for k, v in torch_inputs(features).items()}
-    times = []
-    for i in range(args.warmup + args.steps):
-        began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = net(**inputs).loss
-        loss.backward()
-        optimizer.step()
-        float(loss.detach())  # waits for the step
-        if i >= args.warmup:
-            times.append(time.perf_counter() - began)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-    return {
-        "version": transformers.__version__,
-        "step_s": statistics.median(times),
-        "allocator_peak": int(peak),
-    }
+    inputs = torch_inputs(random_batch(b, length, args.target_length, config.vocab_size))
+    timed = (args.warmup, args.steps)
+    return torch_reference.train_steps(config, inputs, remat != "none", *timed, device)
 
 
 def _compile(lowered, autotune_cache: Path | None):
