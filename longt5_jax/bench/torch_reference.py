@@ -1,4 +1,5 @@
-"""transformers' PyTorch LongT5 holding our parameters: the reference the benchmarks race.
+"""transformers' PyTorch LongT5, the reference the benchmarks race: holding our parameters
+(decoding), or trained from its own initialisation (a train step's time).
 
 Needs the `test` extra (torch, transformers 4.x, which keeps LongT5's LM head untied).
 """
@@ -44,6 +45,7 @@ def train_steps(
     """transformers' LongT5 of `config`'s size trained on `inputs` (`torch_inputs`) as our step
     is: float32 weights, bf16 autocast, AdamW, gradient checkpointing where our case
     rematerialises. The median step time after `warmup` steps, and the CUDA allocator's peak."""
+    # torch, transformers: optional (the test extra), only where the reference is asked for
     import torch
     import transformers
 
