@@ -232,8 +232,10 @@ def _transformers(args, case: str, device: str = "cuda") -> dict:
     model, length, b, remat = parse_case(case)
     config = LongT5Config.preset(model, args.attention)
     inputs = torch_inputs(random_batch(b, length, args.target_length, config.vocab_size))
-    timed = (args.warmup, args.steps)
-    return torch_reference.train_steps(config, inputs, remat != "none", *timed, device)
+    checkpointing = remat != "none"
+    return torch_reference.time_train_steps(
+        config, inputs, checkpointing, args.warmup, args.steps, device
+    )
 
 
 def _compile(lowered, autotune_cache: Path | None):

@@ -25,13 +25,9 @@ def available() -> bool:
 
 def torch_longt5(config: LongT5Config, params: Any):
     """LongT5ForConditionalGeneration with exactly `params`, in eval mode."""
-    # torch, transformers: optional (the test extra), only where the reference is asked for
-    import torch
-    import transformers
+    import torch  # optional (the test extra), only where the reference is asked for
 
-    model = transformers.LongT5ForConditionalGeneration(
-        transformers.LongT5Config(**hf.config_to_hf(config))
-    )
+    model = _longt5(config)
     state = {k: torch.from_numpy(v.copy()) for k, v in hf.to_hf(config, params).items()}
     for tied in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
         state[tied] = state["shared.weight"]
@@ -39,7 +35,7 @@ def torch_longt5(config: LongT5Config, params: Any):
     return model.eval()
 
 
-def train_steps(
+def time_train_steps(
     config: LongT5Config, inputs: dict, checkpointing: bool, warmup: int, steps: int, device: str
 ) -> dict:
     """transformers' LongT5 of `config`'s size trained on `inputs` (`torch_inputs`) as our step
@@ -49,9 +45,7 @@ def train_steps(
     import torch
     import transformers
 
-    net = transformers.LongT5ForConditionalGeneration(
-        transformers.LongT5Config(**hf.config_to_hf(config))
-    ).to(device)
+    net = _longt5(config).to(device)
     net.config.use_cache = False  # training: no decoder cache
     if checkpointing:
         net.gradient_checkpointing_enable()
@@ -75,3 +69,12 @@ def train_steps(
         "step_s": statistics.median(times),
         "allocator_peak": int(peak),
     }
+
+
+def _longt5(config: LongT5Config):
+    """An untrained LongT5ForConditionalGeneration of `config`'s size."""
+    import transformers  # optional (the test extra), only where the reference is asked for
+
+    return transformers.LongT5ForConditionalGeneration(
+        transformers.LongT5Config(**hf.config_to_hf(config))
+    )
