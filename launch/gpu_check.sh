@@ -10,14 +10,15 @@
 #     and the default; with BASELINE (a folder holding another version's longt5_jax package),
 #     that version's kernels on the same cases;
 #   goals: bench device on the goal cases (the first two of CASES), the kernels' default launch;
-#   fill: the goal models at the batch that fills the GPU (FILL), with the fastest launch: the
+#   fill: the goal models at the batch that fills the GPU (FILL), with the best launch: the
 #     field's MFU figures are at such batches, and one example of xl 4k leaves the AdamW update
 #     14% of the step; deviceless (H100, AdamW), xl 4k x 8 save_attention 58.0% roofline MFU in
 #     51.0 GiB and x 4 save_dots 54.7% in 62.2 GiB, against x 1 save_dots' 38.3% (the goal
 #     cases at the issue's batches were measured before: 17.2% and 23.5%, so this comes first);
 #   launch: each goal case's step with the default launch (if not yet measured), then with the
-#     fastest of `kernels` (if that is not the default);
-#   adafactor: the goal cases with the fastest launch, updated by Adafactor (the training loop's
+#     best of `kernels` (if that is not the default): every setting of LAUNCHES that made the
+#     layers faster than the default, together where they set different kernels;
+#   adafactor: the goal cases with the best launch, updated by Adafactor (the training loop's
 #     default, LongT5's T5X setup; every other step is AdamW's, as the field's MFU figures are):
 #     deviceless, xl 4k save_dots 274 -> 249 GB a step, roofline MFU 38.3% -> 41.2%;
 #   xla: the goal cases with XLA's attention;
@@ -25,7 +26,7 @@
 #   rest: the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
 #     remat; then XLA);
 #   transformers: transformers' step on the first case;
-#   unrolled: the goal cases with the layers unrolled (--no-scan_layers) and the fastest launch
+#   unrolled: the goal cases with the layers unrolled (--no-scan_layers) and the best launch
 #     (last: xl 4k's did not compile and run within 200 s on an H100's host, 2026-11-27).
 # (Nsight Compute 2025.3 crashed profiling the JAX process on an H100: segmentation fault, and
 # its profiled process lived on; `bench kernels --trace` reads registers, shared memory and
@@ -113,7 +114,7 @@ step_kernels() {
   run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace \
     --cases $kernel_cases --launch $launches ""
   best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_launch') or '')" 2>/dev/null)
-  section "fastest launch: '${best}'"
+  section "best launch: '${best}'"
   if [ -n "$baseline" ]; then
     section "bench kernels, baseline $baseline"
     # shellcheck disable=SC2086
@@ -121,7 +122,7 @@ step_kernels() {
       --repeats 5 --cases ${kernel_cases% *})
   fi
 }
-# Each goal case's step with the fastest launch, beside the default's.
+# Each goal case's step with the best launch, beside the default's.
 step_launch() {
   for case in $goals; do
     device "$case" pallas

@@ -18,7 +18,7 @@ def _dry_run(tmp_path: Path, best: str = "", **env) -> tuple[list[tuple], str]:
     stubs, calls = tmp_path / "bin", tmp_path / "calls"
     stubs.mkdir(parents=True)
     python = f'#!/usr/bin/env bash\n{{ printf "%q " "$@"; echo; }} >> {calls}\n'
-    python += f'case "$*" in *best_launch*) echo "{best}";; esac\n'  # the fastest launch, as read
+    python += f'case "$*" in *best_launch*) echo "{best}";; esac\n'  # the best launch, as read
     for name, text in (("python3", python), ("nvidia-smi", "#!/usr/bin/env bash\necho H100\n")):
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)

@@ -621,6 +621,33 @@ def test_a_key_split_reaches_the_triton_grid():
     assert grids((("decoder_attention_*", 8, 2, 8),)) == [1, 1]
 
 
+def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_kernels():
+    """`bench kernels`' launch for the step: each setting faster than the default over the
+    cases, most gained first, none setting a kernel an earlier one sets; the rest left out."""
+    dec, tg, local = (
+        "decoder_attention_fwd=4:2:4",
+        "encoder_attention_dq=4:3:2",
+        "encoder_local_*=8:3",
+    )
+    family = "encoder_*=8:2"  # sets TGlobal's dq too and gains less than `tg`: left out
+    seconds = [  # a TGlobal, a Local and a decoder layer under each setting
+        {"": 7.67, dec: 7.67, tg: 7.40, local: 7.67, family: 7.50},
+        {"": 1.78, dec: 1.78, tg: 1.78, local: 1.95, family: 1.77},
+        {"": 1.84, dec: 1.60, tg: 1.84, local: 1.84, family: 1.84},
+    ]
+    reports = [{"launch_seconds": s} for s in seconds]
+    assert kernels._best_launch(reports) == f"{tg},{dec}"
+    assert (
+        kernels._kernels_set_by(family) >= kernels._kernels_set_by(tg) == {"encoder_attention_dq"}
+    )
+    slower = [{"launch_seconds": {"": 1.0, dec: 1.1}}]
+    assert kernels._best_launch(slower) == ""  # nothing beat the default
+    assert kernels._best_launch([{"launch_seconds": {dec: 2.0, tg: 1.0}}]) == tg  # no default
+    assert kernels._best_launch([{}]) is None
+    with pytest.raises(ValueError, match="'encoder_attention_dx' is not one of"):
+        base.call(None, "encoder_attention_dx", 0, (1,), [], [], [])
+
+
 @pytest.mark.slow
 def test_bench_kernels_checks_both_families_and_times_launch_settings(tmp_path):
     """`bench kernels` on CPU (interpreted): the encoder and decoder layers' float32 kernels

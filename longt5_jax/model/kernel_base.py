@@ -45,6 +45,8 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
     """The kernel as Triton on a GPU and interpreted elsewhere (tests on CPU): both are traced,
     and lowering keeps the one for the platform compiled for (a deviceless GPU compile on a
     CPU host gets Triton)."""
+    if name not in KERNELS:  # a launch pattern could not know it
+        raise ValueError(f"kernel {name!r} is not one of kernel_base.KERNELS")
 
     def build(interpret: bool, wide: bool):
         kernel_call = pl.pallas_call(
@@ -93,6 +95,15 @@ LAUNCH: tuple[tuple, ...] = (
     ("*", 8, 2),
 )
 
+
+# Every kernel's name (`call` refuses others): what the launch patterns match, so that `bench
+# kernels` can tell which kernels a setting sets. TGlobal's and Local's encoder families
+# (`long_attention_tiles.Geometry.kernel`; only TGlobal has side keys) and the decoder's.
+KERNELS: tuple[str, ...] = (
+    *(f"encoder_attention_{part}" for part in ("fwd", "dq", "dkv", "dside", "dbias")),
+    *(f"encoder_local_attention_{part}" for part in ("fwd", "dq", "dkv", "dbias")),
+    *(f"decoder_attention_{part}" for part in ("fwd", "dq", "dkv", "dbias")),
+)
 
 _LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", default=LAUNCH)
 
