@@ -648,6 +648,23 @@ def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_
         base.call(None, "encoder_attention_dx", 0, (1,), [], [], [])
 
 
+def test_bench_kernels_keeps_the_cases_it_timed_when_stopped(tmp_path, monkeypatch):
+    """kernels.json is written after each case: a run its time limit stops keeps the launch
+    for the step from the cases it finished."""
+    timed = iter([{"case": "first", "launch_seconds": {"": 2.0, "*=8:1": 1.0}}])
+
+    def measure(case, *_):
+        return next(timed)  # the second case never ends: StopIteration
+
+    monkeypatch.setattr(kernels, "measure", measure)
+    cases = ["tiny:tglobal:150:1:packed", "tiny:decoder:70:1:padded"]
+    with pytest.raises(StopIteration):
+        kernels._main(["--cases", *cases, "--launch", "*=8:1", "", "--out_dir", str(tmp_path)])
+    report = json.loads((tmp_path / "kernels.json").read_text())
+    assert [c["case"] for c in report["cases"]] == ["first"]
+    assert report["best_launch"] == "*=8:1"
+
+
 @pytest.mark.slow
 def test_bench_kernels_checks_both_families_and_times_launch_settings(tmp_path):
     """`bench kernels` on CPU (interpreted): the encoder and decoder layers' float32 kernels

@@ -335,19 +335,18 @@ def _main(argv: list[str]) -> int:
         parse_case(case)
     if args.repeats < 0:
         raise UsageError(f"--repeats {args.repeats}: expected >= 0")
+    config = {**vars(args), "launch": [launch_text(x) for x in args.launch]}
     reports = []
     for case in args.cases:
         reports.append(measure(case, args.repeats, args.launch, args.trace))
         _print(reports[-1])
-    best = _best_launch(reports)
+        # After each case: a run stopped by its time limit (gpu_check.sh's) keeps what it timed.
+        best = _best_launch(reports)
+        write_json(
+            args.out_dir, "kernels", {"config": config, "cases": reports, "best_launch": best}
+        )
     if best is not None:
         print(f"--launch for the step (what beat the default): {best or '(default)'}")
-    write_json(
-        args.out_dir,
-        "kernels",
-        {"config": {**vars(args), "launch": [launch_text(x) for x in args.launch]},
-         "cases": reports, "best_launch": best},
-    )  # fmt: skip
     return 0
 
 
