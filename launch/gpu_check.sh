@@ -43,11 +43,14 @@ cases="${CASES:-base:16384:2:save_attention xl:4096:1:save_dots base:16384:2:sav
 kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed base:decoder:4096:2:padded}"
 # Beside the default: the decoder's forward and dq with each query tile's keys in 4 programs
 # (0.4-0.7 waves -> 1.5-2.9 at 512 targets, deviceless), TGlobal's dq split (three an SM with
-# side keys 32 at a time, deviceless), Local's forward and dq whole (split by default: 29-33%
-# faster on an H100, 2026-11-27). 4 warps do not compile the encoder's backward (a boolean tile
-# staged through shared memory).
+# side keys 32 at a time, deviceless), the decoder's dkv as two programs of 4 warps an SM, one
+# warpgroup each, where one of 8 splits each 64-row product in two (deviceless, base decoder 4k:
+# 177 -> 207 registers, 688 -> 736 instructions a thread; 9.6 ms of xl 4k's step on an H100).
+# Local's whole forward and dq (1.95 ms a layer against the split default's 1.78, 2026-11-27)
+# are no longer re-timed. 4 warps do not compile the encoder's backward (a boolean tile staged
+# through shared memory).
 fill="${FILL:-xl:4096:8:save_attention xl:4096:4:save_dots}"
-launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 encoder_attention_dq=4:3:2 encoder_local_*=8:3}"
+launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 encoder_attention_dq=4:3:2 decoder_attention_dkv=4:2}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
 mkdir -p "$out"
