@@ -15,7 +15,6 @@ are Triton; elsewhere they are interpreted (use small cases there).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import statistics
 import tempfile
@@ -366,13 +365,8 @@ def _best_launch(reports: list[dict]) -> str | None:
         return min(totals, key=totals.get) if totals else None
     taken, kernels = [], set()
     for launch in sorted((x for x in totals if totals[x] < totals[""]), key=totals.get):
-        sets = _kernels_set_by(launch)
+        sets = base.kernels_set_by(parse_launch(launch))
         if not sets & kernels:
             taken.append(launch)
             kernels |= sets
     return ",".join(taken)
-
-
-def _kernels_set_by(launch: str) -> set[str]:
-    patterns = [setting[0] for setting in parse_launch(launch)]
-    return {k for k in base.KERNELS if any(fnmatch.fnmatchcase(k, p) for p in patterns)}

@@ -133,6 +133,11 @@ def _launch_of(name: str, wide: bool = False) -> dict:
     return {"num_warps": warps, "num_stages": min(stages, 2) if wide else stages}
 
 
+def kernels_set_by(settings: tuple[tuple, ...]) -> set[str]:
+    """The kernels of `KERNELS` that launch `settings` set (a pattern of theirs matches)."""
+    return {k for k in KERNELS if any(fnmatch.fnmatchcase(k, s[0]) for s in settings)}
+
+
 def split_of(name: str) -> int:
     """Into how many programs kernel `name` splits a program's work (its launch setting's
     fourth number; 1 if none)."""
