@@ -97,14 +97,16 @@ def test_bench_sass_names_what_it_lacks_in_one_line(monkeypatch, capsys):
 
 @pytest.mark.slow  # a deviceless compile and the CUDA tools, ~15 s
 def test_bench_sass_reads_every_kernel_of_a_compiled_layer(tmp_path, capsys):
-    """ptxas and nvdisasm (the gpu extra's) on a tiny TGlobal layer compiled for an H100: every
+    """ptxas and nvdisasm (the gpu extra's) on a base TGlobal layer compiled for an H100: every
     encoder kernel read, with registers, and the side gradient's loop over the query blocks
-    with its matmuls and exponentials."""
+    with its matmuls and exponentials. (Base, not tiny: jax 0.12's Triton crashes compiling the
+    tiny model's blocks of 4 tokens; base's 128 compile as fast, 16 s here.)"""
     if shutil.which("nvdisasm") is None:
         pytest.skip("nvdisasm is not on PATH (.ci/run installs it beside the environment)")
-    assert sass.main(["--cases", "tiny:tglobal:256:1:packed", "--out_dir", str(tmp_path)]) == 0
+    case = "base:tglobal:1024:1:packed"
+    assert sass.main(["--cases", case, "--out_dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "sass.json").read_text())
-    readings = report["cases"]["tiny:tglobal:256:1:packed"]
+    readings = report["cases"][case]
     names = {f"encoder_attention_{k}" for k in ("fwd", "dq", "dkv", "dbias", "dside")}
     assert set(readings) == names
     assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in readings.values())

@@ -233,7 +233,9 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # One line on stderr (which step, why), not orbax's tracebacks; the run goes on from 2.
-    (warning,) = out.stderr.strip().splitlines()
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    (warning,) = lines
     assert warning.startswith(f"warning: checkpoint {damaged}: unreadable: truncated or corrupt (")
     assert warning.endswith("; resuming from step 2") and "resumed from step 2" in out.stdout
     # The damaged files are kept, byte for byte, set aside where no save or clean-up goes.

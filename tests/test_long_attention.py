@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from reference import max_rel
 from transformers.models.longt5 import modeling_longt5 as hf_longt5
 
 from longt5_jax.model import LongT5Config, relpos
@@ -194,9 +195,10 @@ def test_blocked_attention_equals_dense_oracle(attention, packed, radius, k, len
         c, p, x.astype(np.float64), seg, local_table, side_table if blocks is not None else None
     )
     real = seg > 0
-    # float32 against the float64 oracle: |ours - want| <= 7.0e-6 (1 + |want|) measured over
-    # every case (TGlobal, radius 2, blocks of 5, 64 tokens), outputs up to 18 in size.
-    np.testing.assert_allclose(ours[real], want[real], rtol=1e-5, atol=1e-5)
+    # float32 against the float64 oracle, outputs up to 18 in size: the largest error over the
+    # cases measured 6.2e-7 of the largest output (jax 0.10.2) and 1.2e-6 (0.12.0.1, TGlobal
+    # packed, radius 3, blocks of 4, 23 tokens).
+    assert max_rel(ours, want, real)[1] <= 2e-6
 
 
 def test_relative_position_buckets_match_the_spec_table():

@@ -337,7 +337,8 @@ def test_a_published_size_layer_compiles_for_an_h100(launch):
     # At the matmul precision users run (the tests ask for "highest", which makes the kernels'
     # float32 matmuls IEEE FMAs: no tensor-core tiles, nothing staged through shared memory).
     # A compile-only program cannot be read back from the persistent cache: not written there.
-    with jax.default_matmul_precision("default"), compile_ahead._persistent_cache(False):
+    precision = jax.default_matmul_precision("default")
+    with precision, compile_ahead._persistent_cache(False), targets.tracing_for([device]):
         text = grad.lower(params, x, *tables, ids, ids).compile().as_text()
     assert _triton_kernels(text) == {k for k in KERNELS if k.startswith("encoder")}
     # The forward compiled is the launch's: its declared FLOPs count the local keys it skips.
@@ -585,9 +586,12 @@ def _lowered_for_a_gpu(launch, q, mask, keys=None) -> str:
             k = q if keys is None else keys
             return attention_kernel.attention(q, k, k, mask).astype(jnp.float32).sum()
 
-        return jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        with targets.tracing_for(targets.devices(targets.load("h100-80gb"), 1, 1)):
+            traced = jax.jit(jax.grad(loss)).trace(q)
+            return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 def test_launch_settings_reach_the_triton_calls():
     """`base.launch` sets each kernel's warps and stages by name (first match wins, the rest
     keep `LAUNCH`'s), in the Triton call a GPU compiles."""
@@ -605,6 +609,7 @@ def test_launch_settings_reach_the_triton_calls():
     assert found["decoder_attention_dq"] == (2, 1) and found["decoder_attention_fwd"] == (4, 2)
 
 
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 def test_a_key_split_reaches_the_triton_grid():
     """The decoder's forward split in 4 runs 4 programs a query tile in the Triton call a GPU
     compiles; a split that does not divide the key tiles (8 of 4) is not made."""

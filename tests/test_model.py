@@ -197,8 +197,9 @@ def test_a_rows_dropout_masks_follow_its_global_index():
         )
 
     whole, alone = logits(slice(None)), logits(slice(2, 4), jnp.array([2, 3]))
-    # Measured: |alone - whole| <= 3.6e-6 (1 + |whole|), logits up to 5.9 in size.
-    np.testing.assert_allclose(alone, whole[2:], rtol=1e-5, atol=1e-5)
+    # The same masks, so only float32 rounding, which the compiled batches of 4 and of 2 order
+    # differently: measured 2.3e-6 (jax 0.10.2) and 2.8e-6 (0.12.0.1) of their largest logit (5.3).
+    assert max_rel(alone, whole[2:])[1] <= 5e-6
     as_rows_0_1 = logits(slice(2, 4))
     assert np.abs(as_rows_0_1 - whole[2:]).max() > 1.0  # 8.3 measured
 

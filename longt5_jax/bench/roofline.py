@@ -52,7 +52,10 @@ CASES = [
 _RESULT = "RESULT "
 # Name-stack entries that say how an op was reached, not which part of the model it belongs to.
 _TRANSFORM = re.compile(r"^[\w.]*\(.*\)$")  # jit(f), jvp(LongT5), transpose(jvp(..)), vmap()
-_PLUMBING = {"while", "body", "cond", "closed_call", "checkpoint", "remat", "rematted_computation"}
+# Name-stack entries of jax's own machinery, not the model's (jax 0.12 names a scanned layer's
+# call `eval_jaxpr` where 0.10 says `closed_call`).
+_PLUMBING = {"while", "body", "cond", "closed_call", "checkpoint", "remat", "rematted_computation",
+             "eval_jaxpr"}  # fmt: skip
 _INSTANCE = re.compile(r"\.\d+$")
 
 

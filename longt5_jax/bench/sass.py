@@ -183,8 +183,11 @@ def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> 
     arch += "a" if arch == "sm_90" else ""
     with tempfile.TemporaryDirectory() as tmp, compile_ahead._persistent_cache(False):
         grad = kernels.layer_loss_grad(config, kind, launch)
-        with jax.default_matmul_precision("default"):  # users' precision (tests ask "highest")
-            grad.lower(*abstract).compile(compiler_options={"xla_dump_to": tmp})
+        # Users' matmul precision (the tests ask for "highest").
+        with jax.default_matmul_precision("default"), targets.tracing_for([device]):
+            # jax 0.12's XLA writes the kernels' PTX only for the emitters this names.
+            dump = {"xla_dump_to": tmp, "xla_dump_emitter_re": ".*"}
+            grad.lower(*abstract).compile(compiler_options=dump)
         kernels_ptx = []
         for path in Path(tmp).glob("*.ptx"):
             entry = re.search(r"\.entry\s+(\w+?)(?:_flops_(\d+))?\(", path.read_text())

@@ -17,6 +17,7 @@ target default `--dtype` to it and refuse bfloat16 where it has none.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -24,7 +25,9 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental import topologies
+from jax.sharding import Mesh
 
 from longt5_jax.errors import UsageError
 from longt5_jax.parallel.devices import cpu_devices, half_precision
@@ -221,3 +224,11 @@ def devices(target: Target, nodes: int, gpus_per_node: int) -> list:
         platform="cuda", target_config=target.spec, topology=f"{nodes}x1x{gpus_per_node}"
     )
     return list(topology.devices)
+
+
+def tracing_for(devices: list) -> contextlib.AbstractContextManager:
+    """Trace a program for `devices` (`devices()`'s) inside this. From jax 0.12, Pallas' Triton
+    lowering takes the GPU it compiles for from the mesh in force, no longer from the process'
+    devices (a compile-only process has none): a kernel traced outside any mesh fails to lower
+    ("No supported GPU devices found"). The train step traces in its own mesh already."""
+    return jax.set_mesh(Mesh(np.asarray(devices), ("devices",)))
