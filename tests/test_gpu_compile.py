@@ -343,7 +343,9 @@ def _v100_step(dtype: str, dump: Path | None = None) -> compile_ahead.CompiledSt
     step = compile_ahead.sharded_step(config, parallel, devices=devices)
     lowered = step.lower(step.abstract_state, compile_ahead.abstract_batch(step, *SHAPE))
     with compile_ahead._persistent_cache(False):  # a compile-only program cannot be read back
-        return compile_ahead.CompiledStep(step, lowered.compile({"xla_dump_to": str(dump)}), 4)
+        # jax 0.12's XLA writes PTX only for the emitters `xla_dump_emitter_re` names.
+        options = {"xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"}
+        return compile_ahead.CompiledStep(step, lowered.compile(options), 4)
 
 
 @pytest.mark.slow  # ~10 s: the compile, and its dump of every kernel
