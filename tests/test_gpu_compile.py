@@ -26,6 +26,7 @@ from test_compiled import zero_expected
 
 from longt5_jax import configuration
 from longt5_jax.model import LongT5Config
+from longt5_jax.parallel import xla_options
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, hlo_module, targets
 from longt5_jax.plan.shapes import ModelShapes
@@ -343,8 +344,7 @@ def _v100_step(dtype: str, dump: Path | None = None) -> compile_ahead.CompiledSt
     step = compile_ahead.sharded_step(config, parallel, devices=devices)
     lowered = step.lower(step.abstract_state, compile_ahead.abstract_batch(step, *SHAPE))
     with compile_ahead._persistent_cache(False):  # a compile-only program cannot be read back
-        # jax 0.12's XLA writes PTX only for the emitters `xla_dump_emitter_re` names.
-        options = {"xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"}
+        options = xla_options.dump_options(str(dump))
         return compile_ahead.CompiledStep(step, lowered.compile(options), 4)
 
 

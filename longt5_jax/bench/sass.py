@@ -32,6 +32,7 @@ from longt5_jax.bench import kernels
 from longt5_jax.bench.device import add_launch_argument, launch_text
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
+from longt5_jax.parallel import xla_options
 from longt5_jax.plan import compile_ahead, targets
 
 CLASSES = (  # (class, opcode prefixes), first match wins
@@ -185,9 +186,7 @@ def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> 
         grad = kernels.layer_loss_grad(config, kind, launch)
         # Users' matmul precision (the tests ask for "highest").
         with jax.default_matmul_precision("default"), targets.tracing_for([device]):
-            # jax 0.12's XLA writes the kernels' PTX only for the emitters this names.
-            dump = {"xla_dump_to": tmp, "xla_dump_emitter_re": ".*"}
-            grad.lower(*abstract).compile(compiler_options=dump)
+            grad.lower(*abstract).compile(compiler_options=xla_options.dump_options(tmp))
         kernels_ptx = []
         for path in Path(tmp).glob("*.ptx"):
             entry = re.search(r"\.entry\s+(\w+?)(?:_flops_(\d+))?\(", path.read_text())

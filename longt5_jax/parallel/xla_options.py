@@ -60,3 +60,9 @@ def compiler_options(platform: str) -> dict[str, str | int | bool] | None:
     if platform == "gpu":
         return dict(GPU_OPTIONS)
     return None
+
+
+def dump_options(directory: str) -> dict[str, str]:
+    """Options that make a compile write XLA's dump, the kernels' PTX among it, to `directory`
+    (jax 0.12's XLA writes PTX only for the emitters `xla_dump_emitter_re` names)."""
+    return {"xla_dump_to": directory, "xla_dump_emitter_re": ".*"}
