@@ -97,18 +97,29 @@ def _manual(axis: str) -> bool:
     return axis in jax.sharding.get_abstract_mesh().manual_axes
 
 
-def stage_major(w: jax.Array, cfg: Pipeline) -> jax.Array:
+# place(x): x [a, b, k, ...] split over the stage axis on b. Given, it moves the split from a
+# to b before the swap, so the swap and the reshapes around it are local and the move is the
+# partitioner's plain resharding of one array (an all-to-all). Left to move the split through
+# the swap, jax 0.12's partitioner replicates the array over the stages and slices it.
+Place = Callable[[jax.Array], jax.Array]
+
+
+def stage_major(w: jax.Array, cfg: Pipeline, place: Place | None = None) -> jax.Array:
     """[L, ...] in layer order -> stage s's chunks (repeat 0, 1, ...) contiguous at s r k."""
-    r, p = cfg.repeats, cfg.stages
-    k = w.shape[0] // (r * p)
-    return w.reshape(r, p, k, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    return _swap_chunks(w, cfg.repeats, cfg.stages, place)
 
 
-def layer_major(w: jax.Array, cfg: Pipeline) -> jax.Array:
+def layer_major(w: jax.Array, cfg: Pipeline, place: Place | None = None) -> jax.Array:
     """The inverse of `stage_major`."""
-    r, p = cfg.repeats, cfg.stages
-    k = w.shape[0] // (r * p)
-    return w.reshape(p, r, k, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+    return _swap_chunks(w, cfg.stages, cfg.repeats, place)
+
+
+def _swap_chunks(w: jax.Array, a: int, b: int, place: Place | None) -> jax.Array:
+    """[L, ...] seen as [a, b, k, ...] -> [b, a, k, ...], flattened back."""
+    x = w.reshape(a, b, w.shape[0] // (a * b), *w.shape[1:])
+    if place is not None:
+        x = place(x)
+    return x.swapaxes(0, 1).reshape(w.shape)
 
 
 def _shift(x: jax.Array, axis: str, p: int, by: int) -> jax.Array:

@@ -23,13 +23,14 @@ global index, which the batch carries (`row_ids`), so they do not depend on the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.parallel import pipeline as pp
 
@@ -88,9 +89,12 @@ class ShardRegion:
             return tree
 
         def one(w, sharding):
-            if _axis_of(sharding.spec, PIPELINE) != 0:
+            spec = sharding.spec
+            if _axis_of(spec, PIPELINE) != 0:
                 return w
-            return jax.lax.with_sharding_constraint(order(w, self.pipeline), sharding)
+            chunks = NamedSharding(self.mesh, PartitionSpec(None, spec[0], None, *spec[1:]))
+            place = functools.partial(jax.lax.with_sharding_constraint, shardings=chunks)
+            return jax.lax.with_sharding_constraint(order(w, self.pipeline, place), sharding)
 
         return jax.tree.map(one, tree, shardings)
 
