@@ -20,6 +20,66 @@ CASE = "tiny:64:2:full"
 ATTENTION = "LongT5.encode/encoder/EncoderLayer/attention"
 
 
+# A scanned layer's kernels as XLA writes them: the slice of a stacked [24, 8, 16] bf16 buffer
+# (directly, and through the bitcast XLA puts before the slice of a buffer in a transposed
+# layout), its in-place update (through a bitcast too), and the update run on a stream of its
+# own (jax 0.12: `fusion-start`, typed (operands, result, context), and `fusion-done`).
+_STACKED = """HloModule step, is_scheduled=true
+
+%slice (p0: bf16[24,8,16], p1: s32[]) -> bf16[1,8,16] {
+  %p0 = bf16[24,8,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,8,16}
+}
+
+%slice_bitcast (p0: bf16[24,8,16], p1: s32[]) -> f32[16,8] {
+  %p0 = bf16[24,8,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %t = bf16[16,24,8]{2,1,0} bitcast(%p0)
+  %ds = bf16[16,1,8]{2,1,0} dynamic-slice(%t, %c, %p1, %c), dynamic_slice_sizes={16,1,8}
+  %b = bf16[16,8]{1,0} bitcast(%ds)
+  ROOT %f = f32[16,8]{1,0} convert(%b)
+}
+
+%update (p0: bf16[24,8,16], p1: bf16[8,16], p2: s32[]) -> bf16[24,8,16] {
+  %p0 = bf16[24,8,16]{2,1,0} parameter(0)
+  %p1 = bf16[8,16]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %t = bf16[24,8,16]{2,1,0} bitcast(%p0)
+  %u = bf16[1,8,16]{2,1,0} bitcast(%p1)
+  ROOT %dus = bf16[24,8,16]{2,1,0} dynamic-update-slice(%t, %u, %p2, %c, %c)
+}
+
+ENTRY %main (a: bf16[24,8,16], b: bf16[8,16], i: s32[]) -> bf16[24,8,16] {
+  %a = bf16[24,8,16]{2,1,0} parameter(0)
+  %b = bf16[8,16]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %s = bf16[1,8,16]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%slice
+  %sb = f32[16,8]{1,0} fusion(%a, %i), kind=kLoop, calls=%slice_bitcast
+  %u = bf16[24,8,16]{2,1,0} fusion(%a, %b, %i), kind=kLoop, calls=%update
+  %start = ((bf16[24,8,16]{2,1,0}, bf16[8,16]{1,0}, s32[]), bf16[24,8,16]{2,1,0}, u32[]) fusion-start(%u, %b, %i), kind=kLoop, calls=%update
+  ROOT %done = bf16[24,8,16]{2,1,0} fusion-done(%start)
+}
+"""
+
+
+def test_a_stacked_buffer_costs_its_slice_or_update_not_the_whole_buffer():
+    from longt5_jax.plan import hlo_module, roofline
+
+    module = hlo_module.Module.parse(_STACKED)
+    costs = {k.name: k.bytes for k in roofline.kernels(module, 1e15, 1e12)}
+    layer, index = 8 * 16 * 2, 4  # one layer's slice of the stack (bf16), the s32 index
+    assert costs == {
+        "s": 2 * layer + index,  # the slice read, then written
+        "sb": layer + index + 8 * 16 * 4,  # the slice read (through the bitcast), f32 written
+        "u": 2 * layer + index,  # the update read, then written in place
+        "start": 2 * layer + index,  # the same, asynchronous; its done launches nothing
+    }
+
+
 @needs_gpu_compiler
 def test_a_triton_call_costs_its_operands_results_and_declared_flops():
     import jax

@@ -60,6 +60,24 @@ def arrays(type_text: str) -> list[tuple[int, bool]]:
     ]
 
 
+def tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type (an array type: itself alone)."""
+    if not type_text.startswith("("):
+        return [type_text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(type_text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        if (ch == "," and depth == 1) or depth == 0:
+            parts.append(type_text[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return parts
+
+
 def dims(type_text: str) -> tuple[int, ...]:
     """The dimensions of an array type."""
     m = _SHAPE.search(type_text)

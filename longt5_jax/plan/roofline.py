@@ -25,7 +25,14 @@ import re
 import numpy as np
 
 from longt5_jax.plan.hlo import KINDS
-from longt5_jax.plan.hlo_module import Computation, Instr, Module, dims, shape_bytes
+from longt5_jax.plan.hlo_module import (
+    Computation,
+    Instr,
+    Module,
+    dims,
+    shape_bytes,
+    tuple_elements,
+)
 
 # Instructions that launch no kernel: bookkeeping, control flow (their bodies are counted as
 # computations of their own), and the second half of asynchronous pairs.
@@ -35,6 +42,10 @@ _FREE = {
     "async-update", "async-done", "copy-done", "send-done", "recv-done", "add-dependency",
 }  # fmt: skip
 _SLICES = {"dynamic-slice", "slice", "gather"}
+# jax 0.12's XLA runs some loop fusions (a scanned layer's slices of its stacked parameters,
+# its in-place updates of stacked results) on a stream of their own: a `fusion-start`, the
+# kernel, and a `fusion-done` that waits for it.
+_FUSIONS = {"fusion", "fusion-start"}
 # A dot's contracted lhs dims: in its attributes, or a cuBLAS call's backend config.
 _CONTRACTING = re.compile(
     r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]'
@@ -101,6 +112,24 @@ def _callee(instr: Instr) -> str:
     return text[1].split(",", 1)[0].strip().lstrip("%") if len(text) > 1 else ""
 
 
+def _result(instr: Instr) -> str:
+    """The type a kernel writes: an asynchronous start's is (operands, result, context)."""
+    if instr.opcode.endswith("-start"):
+        parts = tuple_elements(instr.type)
+        return parts[1] if len(parts) == 3 else instr.type
+    return instr.type
+
+
+def _uses(fused: Computation, name: str) -> list[tuple[str, Instr]]:
+    """The instructions reading `name`, directly or through bitcasts (which move no data; XLA
+    puts one between a stacked buffer in a transposed layout and its slices), each with the
+    name it reads."""
+    out = []
+    for user in fused.users(name):
+        out += _uses(fused, user.name) if user.opcode == "bitcast" else [(name, user)]
+    return out
+
+
 def _fusion_bytes(module: Module, comp: Computation, instr: Instr) -> float:
     """Operands read (slices where only sliced) and the result written (updates where in place)."""
     fused = module.computations.get(_callee(instr))
@@ -109,21 +138,20 @@ def _fusion_bytes(module: Module, comp: Computation, instr: Instr) -> float:
     params = {i.name: int(i.args) for i in fused.instrs if i.opcode == "parameter"}
     read = {}
     for name, index in params.items():
-        users = fused.users(name)
+        uses = _uses(fused, name)
         full = (
             shape_bytes(comp.types.get(instr.operands[index], ""))
             if index < len(instr.operands)
             else 0
         )
-        if users and all(u.opcode in _SLICES and u.operands[0] == name for u in users):
-            read[name] = min(full, sum(shape_bytes(u.type) for u in users))
+        if uses and all(u.opcode in _SLICES and u.operands[0] == via for via, u in uses):
+            read[name] = min(full, sum(shape_bytes(u.type) for _, u in uses))
         else:
             read[name] = full
-    written = shape_bytes(instr.type)
-    root = fused.root
+    written = shape_bytes(_result(instr))
+    root, by_name = fused.root, {i.name: i for i in fused.instrs}
     updates = [root] if root.opcode == "dynamic-update-slice" else []
     if root.opcode == "tuple":
-        by_name = {i.name: i for i in fused.instrs}
         updates = [
             by_name[o]
             for o in root.operands
@@ -132,6 +160,8 @@ def _fusion_bytes(module: Module, comp: Computation, instr: Instr) -> float:
     for dus in updates:  # in place: the buffer is neither read nor rewritten, only the update
         buffer, update = dus.operands[0], dus.operands[1]
         written -= shape_bytes(dus.type) - shape_bytes(fused.types.get(update, ""))
+        while buffer in by_name and by_name[buffer].opcode == "bitcast":
+            buffer = by_name[buffer].operands[0]
         if buffer in read:
             read[buffer] = 0
     return float(sum(read.values()) + max(written, 0))
@@ -189,7 +219,7 @@ def kernel(module: Module, comp: Computation, instr: Instr) -> Kernel | None:
     op = instr.opcode
     if op in _FREE or op.endswith("-done") or op.removesuffix("-start") in KINDS:
         return None
-    if op == "fusion":
+    if op in _FUSIONS:
         fused = module.computations.get(_callee(instr))
         fast, slow = _fused_flops(module, fused) if fused else (0.0, 0.0)
         return Kernel(fast, slow, _fusion_bytes(module, comp, instr))
