@@ -63,7 +63,7 @@ ENTRY %main (a: bf16[24,8,16], b: bf16[8,16], i: s32[]) -> bf16[24,8,16] {
   %start = ((bf16[24,8,16]{2,1,0}, bf16[8,16]{1,0}, s32[]), bf16[24,8,16]{2,1,0}, u32[]) fusion-start(%u, %b, %i), kind=kLoop, calls=%update
   ROOT %done = bf16[24,8,16]{2,1,0} fusion-done(%start)
 }
-"""
+"""  # noqa: E501
 
 
 def test_a_stacked_buffer_costs_its_slice_or_update_not_the_whole_buffer():
