@@ -122,6 +122,24 @@ def _swap_chunks(w: jax.Array, a: int, b: int, place: Place | None) -> jax.Array
     return x.swapaxes(0, 1).reshape(w.shape)
 
 
+def _placed_stage_major(cfg: Pipeline) -> Callable[[jax.Array], jax.Array]:
+    """`stage_major` under automatic sharding, its gradient `layer_major`, each moving the
+    stage split to b before its swap (`Place`). A constraint is its own transpose, so the
+    gradient's reorder, which needs the split on the other side of its swap, gets its own."""
+
+    def place(x):
+        free = PartitionSpec.UNCONSTRAINED
+        spec = PartitionSpec(free, cfg.axis, *(free,) * (x.ndim - 2))
+        return jax.lax.with_sharding_constraint(x, spec)
+
+    @jax.custom_vjp
+    def order(w):
+        return stage_major(w, cfg, place)
+
+    order.defvjp(lambda w: (order(w), None), lambda _, g: (layer_major(g, cfg, place),))
+    return order
+
+
 def _shift(x: jax.Array, axis: str, p: int, by: int) -> jax.Array:
     """Stage q's `x` to stage q + by (cyclic: a full permutation, as a named vmap needs)."""
     return jax.lax.ppermute(x, axis, [(q, (q + by) % p) for q in range(p)])
@@ -219,9 +237,9 @@ def run(
     local = functools.partial(_local, cfg, stage_fn)
     if _manual(cfg.axis):
         return local(layer_params, x, per_microbatch, shared)
-    params = jax.tree.map(lambda w: stage_major(w, cfg), layer_params)
     mesh = jax.sharding.get_abstract_mesh()
     if cfg.axis not in mesh.axis_names:  # no such devices (one device, tests): a named vmap
+        params = jax.tree.map(lambda w: stage_major(w, cfg), layer_params)
         p = cfg.stages
         split = functools.partial(
             jax.tree.map, lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:])
@@ -230,6 +248,9 @@ def run(
             split(params), split(x), split(per_microbatch), shared
         )
         return out.reshape(x.shape)
+    params = layer_params
+    if cfg.repeats > 1:  # a GPipe schedule's stage-major order is the layer order
+        params = jax.tree.map(_placed_stage_major(cfg), layer_params)
     split = PartitionSpec(cfg.axis)
     region = jax.shard_map(
         local,
