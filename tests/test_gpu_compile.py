@@ -95,6 +95,30 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster():
     _assert_placed_and_modelled(rows, "bfloat16")
 
 
+@pytest.mark.slow  # two compiles for 32 GPUs, ~40 s
+def test_zero_split_circular_pipelines_move_what_the_model_says(tmp_path):
+    """ZeRO-2 and ZeRO-3 under a circular pipeline (no shipped config; the planner ranks them):
+    the stage-major reorder moves each device's ZeRO shard, not a stage's whole layers, and the
+    gradients of the weights outside the stages are reduce-scattered over data and pipeline,
+    then gathered over pipeline. Left to XLA, they were all-reduced over both and sliced:
+    2 (dp - 1) / dp of their bytes instead of (dp + p - 2) / dp. Before, the reduce-scatters
+    were 0.80-0.88 of the model, and the reorder 0.06-0.69 of a model blind to ZeRO."""
+    paths = []
+    for name, tensor, zero in (("pp2_r2_zero2", 1, 2), ("tp2_pp2_r2_zero3", 2, 3)):
+        path = tmp_path / f"{name}.gin"
+        path.write_text(
+            f"ParallelConfig.tensor = {tensor}\nParallelConfig.pipeline = 2\n"
+            "ParallelConfig.pipeline_microbatches = 4\nParallelConfig.pipeline_repeats = 2\n"
+            f"ParallelConfig.zero_stage = {zero}\n"
+        )
+        paths.append(str(path))
+    run = _compile_configs(paths)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line[:1] == "{"]
+    assert [r["path"] for r in rows] == paths
+    _assert_placed_and_modelled(rows, "bfloat16")
+
+
 def _assert_placed_and_modelled(rows: list[dict], dtype: str) -> None:
     """Each compiled config's tensor groups inside a node, and each collective kind carrying at
     least 5% of the bytes within 15% of the analytic model."""

@@ -182,6 +182,9 @@ DROPOUT = LongT5Config.preset("tiny", dropout_rate=0.1)
 DROPOUT_LAYOUTS = {
     "dp4_tp2_zero3_accumulate2": (4, 2, 1, 3, 2),
     "dp2_tp2_pp2": (2, 2, 2, 1, 1),
+    # ZeRO-2 splits the gradients of the weights outside the stages over data: they are
+    # reduce-scattered over data and pipeline, then gathered over pipeline.
+    "dp2_tp2_pp2_zero2": (2, 2, 2, 2, 1),
 }
 
 

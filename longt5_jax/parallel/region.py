@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -162,15 +163,30 @@ class ShardRegion:
         )
         with nn.logical_axis_rules(self._inner_rules(nn.get_logical_axis_rules())):
             stats, partial = region(self._enter(params), batch, rng, loss_scale)
-        grads = jax.tree.map(
-            lambda g, want: jax.lax.with_sharding_constraint(
-                jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,)).astype(jnp.float32),
-                want,
-            ),
-            partial,
-            self.grad_shardings,
-        )
+        grads = jax.tree.map(self._reduce, partial, self.grad_shardings)
         return stats, self._exit(grads)
+
+    def _reduce(self, partial: jax.Array, want: NamedSharding) -> jax.Array:
+        """The stacked partial sums of one gradient, summed into its layout `want`.
+
+        A weight outside the stages that ZeRO splits over `data` is summed over data and
+        pipeline but kept whole over pipeline: left to XLA, that is one all-reduce over both
+        and a slice, 2 (dp - 1) / dp of its bytes; reduce-scattered over both, then gathered
+        over pipeline, it is (dp - 1) / dp + (p - 1) / dp."""
+        total = jax.lax.reduce(partial, jnp.zeros((), partial.dtype), jax.lax.add, (0,))
+        dim = _axis_of(want.spec, DATA)
+        over = partial.shape[0]  # the shards that add it: data, and pipeline unless it splits
+        if self.pipeline and dim is not None and over > self.mesh.shape[DATA]:
+            entry = want.spec[dim]
+            names = entry if isinstance(entry, tuple) else (entry,)
+            at = names.index(DATA) + 1  # each data shard gathered from its pipeline parts
+            names = (*names[:at], PIPELINE, *names[at:])
+            if total.shape[dim] % math.prod(self.mesh.shape[n] for n in names) == 0:
+                spec = list(want.spec)
+                spec[dim] = names
+                scattered = NamedSharding(self.mesh, PartitionSpec(*spec))
+                total = jax.lax.with_sharding_constraint(total, scattered)
+        return jax.lax.with_sharding_constraint(total.astype(jnp.float32), want)
 
     def stats(self, fn: Callable[[Any, Any], dict], params: Any, batch: Any) -> dict:
         """fn(params, local rows) -> summed statistics of one shard; their sums over the mesh."""

@@ -23,9 +23,10 @@ tensor (size t), per microbatch (Megatron): an all-reduce of the [rows, length, 
 pipeline (size p), per microbatch, for each of the two stacks: every iteration the stage
     outputs shift one stage and the rows' ring turns one microbatch, forward and backward; the
     encoder output every decoder stage reads is all-gathered (its gradient reduce-scattered);
-    gradients of the weights outside the stages are all-reduced over p; a circular schedule
-    moves the stage weights stage-major (all-to-all) and their gradients back. The bubble's
-    (p - 1) extra iterations run, and communicate, like the others.
+    gradients of the weights outside the stages are all-reduced over d and p together (under
+    ZeRO-2/3 reduce-scattered over both, then gathered over p); a circular schedule moves each
+    device's shard of the stage weights stage-major (all-to-all) and of their gradients back.
+    The bubble's (p - 1) extra iterations run, and communicate, like the others.
 """
 
 from __future__ import annotations
@@ -125,14 +126,19 @@ def _data_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
         if not s.region and s.grad_dtype == "float32" and leaf.matmul_kernel:
             itemsize = compute
         split = s.zero_stage >= 2 and "embed" in leaf.axes
-        if pipelined and not leaf.stacked and not split:
-            # Every stage's rows contributed to it: one all-reduce over data and pipeline.
-            _add(out, "all-reduce", "data+pipeline", n * itemsize, s.data * s.pipeline)
+        both = s.data * s.pipeline
+        if pipelined and not leaf.stacked:
+            # Every stage's rows contributed to it: summed over data and pipeline, whole over
+            # pipeline; split over data, it is reduce-scattered over both and each data shard
+            # gathered over pipeline (`ShardRegion._reduce`).
+            if split and leaf.shape[leaf.axes.index("embed")] % both == 0:
+                _add(out, "reduce-scatter", "data+pipeline", n * itemsize, both)
+                _add(out, "all-gather", "pipeline", n * itemsize / s.data, s.pipeline)
+            else:
+                _add(out, "all-reduce", "data+pipeline", n * itemsize, both)
         else:
             kind = "reduce-scatter" if split else "all-reduce"
             _add(out, kind, "data", n * itemsize, s.data)
-            if pipelined and not leaf.stacked:
-                _add(out, "all-reduce", "pipeline", n * itemsize, s.pipeline)
         if "embed" not in leaf.axes or s.zero_stage == 0:
             continue
         gathers, itemsize = 1, 4
@@ -207,13 +213,18 @@ def _pipeline(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
     ids = rows * ((1 + bool(g)) * s.length + g) * 4
     _add(out, "all-gather", "pipeline", ids + rows * s.target * (s.target + s.length), p)
     if s.repeats > 1:
-        tp = {"data": 1, "tensor": s.tensor, "pipeline": p}
-        stage = sum(  # one stage's weights: float32, then their gradients as reduced
-            leaf.size / shapes.split(leaf, tp, "params", 0, True)
-            for leaf in shapes.leaves
-            if leaf.stacked
-        )
-        _add(out, "all-to-all", "pipeline", stage * (4 + _grad_itemsize(s)), p)
+        sizes = {"data": s.data, "tensor": s.tensor, "pipeline": p}
+
+        def stage(use: str) -> float:  # a stage's weights as stored for `use` (ZeRO splits)
+            return sum(
+                leaf.size / shapes.split(leaf, sizes, use, s.zero_stage, True)
+                for leaf in shapes.leaves
+                if leaf.stacked
+            )
+
+        # The float32 weights go stage-major, their gradients (as reduced) back.
+        moved = 4 * stage("params") + _grad_itemsize(s) * stage("grads")
+        _add(out, "all-to-all", "pipeline", moved, p)
 
 
 def compare(
