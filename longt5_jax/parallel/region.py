@@ -176,7 +176,7 @@ class ShardRegion:
         total = jax.lax.reduce(partial, jnp.zeros((), partial.dtype), jax.lax.add, (0,))
         dim = _axis_of(want.spec, DATA)
         over = partial.shape[0]  # the shards that add it: data, and pipeline unless it splits
-        if self.pipeline and dim is not None and over > self.mesh.shape[DATA]:
+        if dim is not None and over > self.mesh.shape[DATA]:
             entry = want.spec[dim]
             names = entry if isinstance(entry, tuple) else (entry,)
             at = names.index(DATA) + 1  # each data shard gathered from its pipeline parts

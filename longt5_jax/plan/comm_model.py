@@ -126,8 +126,8 @@ def _data_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
         if not s.region and s.grad_dtype == "float32" and leaf.matmul_kernel:
             itemsize = compute
         split = s.zero_stage >= 2 and "embed" in leaf.axes
-        both = s.data * s.pipeline
         if pipelined and not leaf.stacked:
+            both = s.data * s.pipeline
             # Every stage's rows contributed to it: summed over data and pipeline, whole over
             # pipeline; split over data, it is reduce-scattered over both and each data shard
             # gathered over pipeline (`ShardRegion._reduce`).
