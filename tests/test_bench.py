@@ -117,14 +117,23 @@ def test_the_device_step_keeps_xlas_autotuning_where_asked_and_compiles_without_
     # Each case's GPU process is given the directory.
     runs = []
 
+    gpu = {"step_s": 0.5, "tokens_per_s": 10.0, "mfu": 0.3, "hfu": 0.4, "memory": {"total": 2**30},
+           "allocator_peak": 2**30}  # fmt: skip
+
     def run(cmd, **kwargs):
         runs.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout=device._RESULT + "{}\n")
+        return subprocess.CompletedProcess(cmd, 0, stdout=device._RESULT + json.dumps(gpu))
 
     monkeypatch.setattr(device.subprocess, "run", run)
     args = device._parser().parse_args(["--autotune_cache", str(cache)])
-    assert device._child(args, "gpu", "tiny:64:2:none") == {}
+    assert device._child(args, "gpu", "tiny:64:2:none") == gpu
     assert runs[0][runs[0].index("--autotune_cache") + 1] == str(cache)
+    # The report keeps the option as its text (a path object once stopped it being written).
+    argv = ["--no-deviceless", "--autotune_cache", str(cache), "--out_dir", str(tmp_path)]
+    assert device.main([*argv, "--cases", "tiny:64:2:none"]) == 0
+    report = json.loads((tmp_path / "device.json").read_text())
+    assert report["config"]["autotune_cache"] == str(cache)
+    assert report["rows"][0]["gpu"] == gpu
 
 
 def test_transformers_step_beside_ours_trains_on_the_cpu(tmp_path):

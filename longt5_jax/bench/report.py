@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from longt5_jax.formats.atomic import write_atomic
 
 
 def write_json(out_dir: str | Path, name: str, report: Any) -> Path:
-    """`report` as OUT_DIR/NAME.json (the directory made if needed)."""
+    """`report` as OUT_DIR/NAME.json (the directory made if needed); paths in it (a
+    benchmark's options, as parsed) as their text."""
     path = Path(out_dir) / f"{name}.json"
-    write_atomic(path, json.dumps(report, indent=2))  # a killed run keeps the last whole report
+    write_atomic(
+        path, json.dumps(report, indent=2, default=_path_text)
+    )  # a killed run keeps the last whole report
     print(f"wrote {path}")
     return path
+
+
+def _path_text(value: Any) -> str:
+    if isinstance(value, PurePath):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def pyplot():

@@ -277,8 +277,7 @@ def _main(argv: list[str]) -> int:
         rows.append(_child(args, case))
     _print(rows, args.top)
     out = Path(args.out_dir)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    config["launch"] = device.launch_text(args.launch)
+    config = {**vars(args), "launch": device.launch_text(args.launch)}
     report = {"config": {k: v for k, v in config.items() if k not in ("out_dir", "child")}}
     report["rows"] = rows
     if before is not None:

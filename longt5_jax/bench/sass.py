@@ -260,7 +260,6 @@ def _main(argv: list[str]) -> int:
     for case in args.cases:
         cases[case] = compiled_kernels(case, args.target, args.dtype, args.launch)
         _print(case, cases[case], before.get(case))
-    config = {**vars(args), "compare": str(args.compare) if args.compare else None}
-    config["launch"] = launch_text(args.launch)
+    config = {**vars(args), "launch": launch_text(args.launch)}
     write_json(args.out_dir, "sass", {"config": config, "cases": cases})
     return 0
