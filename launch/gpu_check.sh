@@ -5,7 +5,7 @@
 # picks and orders the sections (default "kernels fill launch adafactor xla profile rest
 # transformers unrolled"):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
-#     float32 and bfloat16; the first of LAUNCHES checked), each kernel's time, registers and
+#     float32 and bfloat16; the default launch checked), each kernel's time, registers and
 #     occupancy (--trace), the layer's time and kernels under each launch setting of LAUNCHES
 #     and the default; with BASELINE (a folder holding another version's longt5_jax package),
 #     that version's kernels on the same cases;
@@ -13,8 +13,8 @@
 #   fill: the goal models at the batch that fills the GPU (FILL), with the best launch: the
 #     field's MFU figures are at such batches, and one example of xl 4k leaves the AdamW update
 #     14% of the step; deviceless (H100, AdamW), xl 4k x 8 save_attention 58.0% roofline MFU in
-#     51.0 GiB and x 4 save_dots 54.7% in 62.2 GiB, against x 1 save_dots' 38.3% (the goal
-#     cases at the issue's batches were measured before: 17.2% and 23.5%, so this comes first);
+#     51.0 GiB and x 4 save_dots 54.7% in 62.2 GiB, against x 1 save_dots' 38.3%; measured on
+#     an H200 (2026-11-28) 34.7% and 36.1-36.5%, against x 1's 26.5%;
 #   launch: each goal case's step with the default launch (if not yet measured), then with the
 #     best of `kernels` (if that is not the default): every setting of LAUNCHES that made the
 #     layers faster than the default, together where they set different kernels;
@@ -42,15 +42,15 @@ out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 cases="${CASES:-base:16384:2:save_attention xl:4096:1:save_dots base:16384:2:save_dots base:16384:2:full xl:4096:1:full large:4096:4:save_attention base:4096:4:none xl:16384:1:save_attention}"
 kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed base:decoder:4096:2:padded}"
 # Beside the default: the decoder's forward and dq with each query tile's keys in 4 programs
-# (0.4-0.7 waves -> 1.5-2.9 at 512 targets, deviceless), TGlobal's dq split (three an SM with
-# side keys 32 at a time, deviceless), the decoder's dkv as two programs of 4 warps an SM, one
-# warpgroup each, where one of 8 splits each 64-row product in two (deviceless, base decoder 4k:
-# 177 -> 207 registers, 688 -> 736 instructions a thread; 9.6 ms of xl 4k's step on an H100).
-# Local's whole forward and dq (1.95 ms a layer against the split default's 1.78, 2026-11-27)
-# are no longer re-timed. 4 warps do not compile the encoder's backward (a boolean tile staged
-# through shared memory).
+# (0.4-0.7 waves -> 1.5-2.9 at 512 targets, deviceless; on an H200 its layer's kernels 0.893 ->
+# 0.851 ms, 2026-11-28, for 0.8-1.2% more bytes a step), and the decoder's dq and bias gradient
+# in 4 warps, one warpgroup each, as its dkv now runs by default (on that H200 dkv 0.26 -> 0.12
+# ms; deviceless dq 127 -> 154 registers, two programs an SM -> three). TGlobal's dq split ran
+# slower (an H100: 1.18 -> 1.28 ms; with side keys 32 at a time, an H200: 1.20 -> 1.27) and
+# Local's whole forward and dq slower than its split default (an H100): no longer re-timed. 4
+# warps do not compile the encoder's backward (a boolean tile staged through shared memory).
 fill="${FILL:-xl:4096:8:save_attention xl:4096:4:save_dots}"
-launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 encoder_attention_dq=4:3:2 decoder_attention_dkv=4:2}"
+launches="${LAUNCHES:-decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 decoder_attention_dq=4:2 decoder_attention_dbias=4:2}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
 mkdir -p "$out"
@@ -112,10 +112,10 @@ step_goals() { for case in $goals; do device "$case" pallas; done; }
 step_xla() { for case in $goals; do device "$case" xla; done; }
 step_kernels() {
   section "bench kernels"
-  # The first setting is the one checked against XLA on the GPU.
+  # The first setting is the one checked against XLA on the GPU: the default, which the steps run.
   # shellcheck disable=SC2086
   run 150 python3 -m longt5_jax.bench kernels --out_dir "$out" --repeats 5 --trace \
-    --cases $kernel_cases --launch $launches ""
+    --cases $kernel_cases --launch "" $launches
   best=$(python3 -c "import json; print(json.load(open('$out/kernels.json')).get('best_launch') or '')" 2>/dev/null)
   section "best launch: '${best}'"
   if [ -n "$baseline" ]; then

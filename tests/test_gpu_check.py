@@ -48,7 +48,7 @@ def _dry_run(tmp_path: Path, best: str = "", **env) -> tuple[list[tuple], str]:
 def test_a_lease_times_the_kernels_then_a_full_batch_then_each_goal_with_the_fastest(tmp_path):
     asked, log = _dry_run(tmp_path, best=SPLIT, CASES=f"{GOALS} base:4096:4:none")
     kernels = asked[0]
-    assert kernels[0] == "kernels" and kernels[3] == SPLIT  # the first setting is checked
+    assert kernels[0] == "kernels" and kernels[3] == ""  # the default is the one checked
     steps = [a for a in asked if a[0] == "device"]
     base, xl = GOALS.split()
     assert steps == [
