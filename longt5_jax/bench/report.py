@@ -13,14 +13,14 @@ def write_json(out_dir: str | Path, name: str, report: Any) -> Path:
     """`report` as OUT_DIR/NAME.json (the directory made if needed); paths in it (a
     benchmark's options, as parsed) as their text."""
     path = Path(out_dir) / f"{name}.json"
-    write_atomic(
-        path, json.dumps(report, indent=2, default=_path_text)
-    )  # a killed run keeps the last whole report
+    text = json.dumps(report, indent=2, default=_path_text)
+    write_atomic(path, text)  # a killed run keeps the last whole report
     print(f"wrote {path}")
     return path
 
 
 def _path_text(value: Any) -> str:
+    """A path as its text; anything else json cannot write stays an error."""
     if isinstance(value, PurePath):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
