@@ -15,6 +15,8 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
+from longt5_jax.infer.decode import DecodeConfig
+from longt5_jax.infer.generator import Generator
 from longt5_jax.model import LongT5Config, attention_kernel
 from longt5_jax.model import kernel_base as base
 from longt5_jax.model import long_attention_tiles as tiles
@@ -23,7 +25,7 @@ from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
 from longt5_jax.model.transformer import LongT5
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.plan import compile_ahead, hlo, targets
+from longt5_jax.plan import compile_ahead, flops, hlo, targets
 from longt5_jax.training.step import ShardedStep, StepConfig
 
 # name: (attention, local radius, global block, batch, length, heads, packed). Lengths are not
@@ -293,6 +295,43 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, rem
     assert _triton_kernels(text) == KERNELS
     assert _calls(text, "encoder_attention_fwd") == 1
     assert _calls(text, "decoder_attention_fwd") == 2
+
+
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
+def test_auto_takes_the_kernels_on_gpus_and_xla_elsewhere():
+    """attention_kernel="auto": the train step and the generator make it concrete for their
+    mesh's devices (a deviceless H100's: the kernels; this host's CPUs: XLA's attention), the
+    model for the default backend's where nothing did, and the GPU roofline counts what the
+    kernels rerun."""
+    auto = dataclasses.replace(GPU_CONFIG, attention_kernel="auto")
+    h100 = targets.devices(targets.load("h100-80gb"), 1, 1)
+    gpu = compile_ahead.sharded_step(auto, ParallelConfig(1, 1, 1, 0), devices=h100, per_node=1)
+    assert gpu.model.config.attention_kernel == "pallas"
+    batch = compile_ahead.abstract_batch(gpu, 2, 128, 16)
+    assert "encoder_attention_fwd" in gpu.lower(gpu.abstract_state, batch).as_text()
+
+    one = ParallelConfig(data=1)
+    mesh = make_mesh(one, jax.devices()[:1])
+    cpu = ShardedStep(LongT5(auto), StepConfig(), optax.sgd(0.1), mesh, one)
+    assert cpu.model.config.attention_kernel == "xla"
+    generator = Generator(LongT5(auto), None, mesh, one, DecodeConfig(), 4)
+    assert generator.model.config.attention_kernel == "xla"
+    assert not auto.fused_attention  # the default backend here is the CPU
+    ids = jnp.ones((2, 128), jnp.int32)
+    model = LongT5(auto)
+    params = jax.eval_shape(model.init, jax.random.key(0), ids, None, ids[:, :16])
+    jaxpr = jax.make_jaxpr(model.apply)(params, ids, None, ids[:, :16])
+    assert "pallas_call" not in str(jaxpr)
+    assert "pallas_call" in str(
+        jax.make_jaxpr(LongT5(GPU_CONFIG).apply)(params, ids, None, ids[:, :16])
+    )
+
+    xla = dataclasses.replace(GPU_CONFIG, attention_kernel="xla")
+    executed = [
+        flops.executed_flops_per_step(c, 2, 128, 16, "save_attention")
+        for c in (auto, GPU_CONFIG, xla)
+    ]
+    assert executed[0] == executed[1] < executed[2]  # XLA's path reruns the attention
 
 
 @pytest.mark.slow

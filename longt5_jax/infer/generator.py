@@ -21,7 +21,7 @@ from longt5_jax.formats.native import CheckpointError, model_config, restore_par
 from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.parallel.sharding import activation_context, placed, tree_shardings
+from longt5_jax.parallel.sharding import activation_context, for_devices, placed, tree_shardings
 
 
 def load_tokenizer_for(step_dir: Path, override: str = "") -> Tokenizer:
@@ -63,6 +63,7 @@ class Generator:
     length: int  # decoded tokens at most
 
     def __post_init__(self):
+        self.model = for_devices(self.model, self.mesh)
         self.rows = NamedSharding(self.mesh, PartitionSpec("data"))
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: jax.Array | None = None):

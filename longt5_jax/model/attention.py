@@ -68,7 +68,7 @@ class Attention(nn.Module):
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         seed = self.dropout(rows)
         # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
-        if c.attention_kernel == "pallas" and q_BTHK.shape[1] > 1:
+        if c.fused_attention and q_BTHK.shape[1] > 1:
             dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
             out_BTHK = kernel.attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS, dropout)
             return self.out(nn.with_logical_constraint(out_BTHK, HEADS))

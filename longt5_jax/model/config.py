@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 Attention = Literal["local", "transient-global"]
@@ -19,7 +20,7 @@ _SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
-ATTENTION_KERNELS = ("xla", "pallas")
+ATTENTION_KERNELS = ("xla", "pallas", "auto")
 _ATTENTION_ALIASES = {
     "local": "local",
     "transient-global": "transient-global",
@@ -56,10 +57,11 @@ class LongT5Config:
     # step to zero-fill and copy saved activations, each layer's parameters and their gradients
     # through; parameters keep their [layers, ...] layout either way.
     scan_layers: bool = True
-    # Attention: "xla" (the reference, score tensors in memory) or "pallas" (fused kernels for
+    # Attention: "xla" (the reference, score tensors in memory), "pallas" (fused kernels for
     # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
-    # Triton on a GPU, interpreted on a CPU; attention dropout inside them). Cached decoding (one
-    # query a step) runs the XLA path.
+    # Triton on a GPU, interpreted on a CPU; attention dropout inside them) or "auto" (the
+    # kernels on a GPU, XLA's attention elsewhere: `for_platform`). Cached decoding (one query
+    # a step) runs the XLA path.
     attention_kernel: str = "xla"
     pad_id: int = 0
     eos_id: int = 1
@@ -105,6 +107,22 @@ class LongT5Config:
     def block_len(self) -> int:
         """Local attention block: a query attends up to local_radius tokens on each side."""
         return self.local_radius + 1
+
+    def for_platform(self, platform: str) -> LongT5Config:
+        """This config with `attention_kernel="auto"` made concrete for devices of `platform` (a
+        jax platform name): the fused kernels on a GPU, faster there in every case measured;
+        XLA's attention elsewhere, where the kernels would run interpreted."""
+        if self.attention_kernel != "auto":
+            return self
+        kernel = "pallas" if platform in ("gpu", "cuda") else "xla"
+        return dataclasses.replace(self, attention_kernel=kernel)
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether attention runs the fused kernels; "auto" not made concrete for the devices
+        compiled for (the train step and the generator do it for their mesh) is made so for
+        the default backend's."""
+        return self.for_platform(jax.default_backend()).attention_kernel == "pallas"
 
     @property
     def compute_dtype(self) -> jnp.dtype:

@@ -98,6 +98,13 @@ def kernels_interpreted(mesh: Mesh | AbstractMesh) -> bool:
     return not isinstance(mesh, AbstractMesh) and mesh.devices.flat[0].platform == "cpu"
 
 
+def for_devices(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """`model` with its config made concrete for `mesh`'s devices (`attention_kernel="auto"`:
+    the fused kernels on GPUs, a deviceless target's included)."""
+    config = model.config.for_platform(mesh.devices.flat[0].platform)
+    return model if config is model.config else model.clone(config=config)
+
+
 def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) -> Any:
     """fn(*arrays) on each device's own rows and heads: a shard_map over the mesh axes that the
     logical `batch` and `heads` map to under the rules in force, as the model's own constraints

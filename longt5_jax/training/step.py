@@ -27,6 +27,7 @@ from longt5_jax.parallel.offload import StateMemory, check_host_memory
 from longt5_jax.parallel.region import ShardRegion
 from longt5_jax.parallel.sharding import (
     activation_context,
+    for_devices,
     kernels_interpreted,
     optimizer_shardings,
     placed,
@@ -213,6 +214,7 @@ class ShardedStep:
     parallel: ParallelConfig
 
     def __post_init__(self):
+        self.model = for_devices(self.model, self.mesh)
         boxed = abstract_params(self.model)
         zero = self.parallel.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
