@@ -87,6 +87,23 @@ def test_greedy_equals_transformers_generate(attention):
     np.testing.assert_array_equal(ours, theirs)
 
 
+def test_decoding_with_the_kernels_equals_the_xla_path():
+    """The encoder's kernels (interpreted here) encode for decoding as XLA's attention does:
+    greedy and beam search give the same tokens and scores (cached steps run XLA's path)."""
+    config, params, batch = _setup("transient-global")
+    pallas = dataclasses.replace(config, attention_kernel="pallas")
+    for cfg in (DecodeConfig(), DecodeConfig(num_beams=3)):
+        want, want_scores = generate(
+            LongT5(config), params, batch.input_ids, batch.attention_mask, cfg, STEPS
+        )
+        got, scores = generate(
+            LongT5(pallas), params, batch.input_ids, batch.attention_mask, cfg, STEPS
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(cfg))
+        # measured: 5.8e-7 greedy, 2.2e-7 with beams
+        np.testing.assert_allclose(np.asarray(scores), np.asarray(want_scores), rtol=2e-6)
+
+
 SETTINGS = [  # (beams, length penalty, early stopping): transformers' default, 'never', 'finished'
     (4, 1.0, "heuristic"),
     (4, 2.0, "never"),
