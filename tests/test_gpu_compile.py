@@ -318,17 +318,26 @@ def test_bench_scaling_compiles_each_point_and_reports_efficiency(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_bench_memory_sets_the_estimate_beside_the_compile_and_refits(tmp_path, capsys):
-    """Two tiny layouts compiled for the A100 cluster: each row's compiled memory beside the
-    estimate, and the refit's worst error no larger than the shipped calibration's (it is the
-    smallest worst error there is)."""
+@pytest.mark.parametrize(
+    "kernel, policies",
+    [("xla", ["full", "save_dots"]), ("pallas", ["fused save_attention", "fused save_dots"])],
+)
+def test_bench_memory_sets_the_estimate_beside_the_compile_and_refits(
+    kernel, policies, tmp_path, capsys
+):
+    """Two tiny layouts compiled for the A100 cluster, with XLA's attention and the fused
+    kernels: each row's compiled memory beside the estimate of its calibration row, and the
+    refit's worst error no larger than the shipped calibration's (it is the smallest worst
+    error there is)."""
     from longt5_jax.bench import memory
 
-    grid = "tiny:512:128=32,1,1,2,0,1,full;8,4,1,1,0,1,save_dots"
+    remat = "save_attention" if kernel == "pallas" else "full"
+    grid = f"tiny:512:128=32,1,1,2,0,1,{remat};8,4,1,1,0,1,save_dots"
     argv = ["--grid", grid, "--target_length", "64", "--fit", "--out_dir", str(tmp_path)]
-    assert memory.main(argv) == 0
+    assert memory.main([*argv, "--attention_kernel", kernel]) == 0
     report = json.loads((tmp_path / "memory.json").read_text())
     assert (tmp_path / "memory.png").stat().st_size > 0 and len(report["rows"]) == 2
+    assert [r["activations"]["policy"] for r in report["rows"]] == policies
 
     def worst(name):
         return max(abs(r[f"estimate_{name}"] / r["compiled"] - 1) for r in report["rows"])

@@ -15,6 +15,7 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
 from longt5_jax.bench import kernels
+from longt5_jax.errors import ConfigError
 from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.infer.generator import Generator
 from longt5_jax.model import LongT5Config, attention_kernel
@@ -300,15 +301,22 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, rem
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 def test_auto_takes_the_kernels_on_gpus_and_xla_elsewhere():
     """attention_kernel="auto": the train step and the generator make it concrete for their
-    mesh's devices (a deviceless H100's: the kernels; this host's CPUs: XLA's attention), the
-    model for the default backend's where nothing did, and the GPU roofline counts what the
-    kernels rerun."""
+    mesh's devices (a deviceless H100's: the kernels; a V100's and this host's CPUs: XLA's
+    attention), the model for the default device where nothing did, and the GPU roofline
+    counts what the kernels rerun."""
     auto = dataclasses.replace(GPU_CONFIG, attention_kernel="auto")
     h100 = targets.devices(targets.load("h100-80gb"), 1, 1)
     gpu = compile_ahead.sharded_step(auto, ParallelConfig(1, 1, 1, 0), devices=h100, per_node=1)
     assert gpu.model.config.attention_kernel == "pallas"
     batch = compile_ahead.abstract_batch(gpu, 2, 128, 16)
     assert "encoder_attention_fwd" in gpu.lower(gpu.abstract_state, batch).as_text()
+    # A V100 (compute capability 7.0), which Triton does not compile for: XLA's attention, and
+    # the kernels asked for by name refused in one line.
+    v100 = targets.devices(targets.load("v100-32gb"), 1, 1)
+    old = compile_ahead.sharded_step(auto, ParallelConfig(1, 1, 1, 0), devices=v100, per_node=1)
+    assert old.model.config.attention_kernel == "xla"
+    with pytest.raises(ConfigError, match=r"^LongT5Config.attention_kernel='pallas': Tesla V100"):
+        compile_ahead.sharded_step(GPU_CONFIG, ParallelConfig(1, 1, 1, 0), devices=v100, per_node=1)
 
     one = ParallelConfig(data=1)
     mesh = make_mesh(one, jax.devices()[:1])
@@ -316,7 +324,7 @@ def test_auto_takes_the_kernels_on_gpus_and_xla_elsewhere():
     assert cpu.model.config.attention_kernel == "xla"
     generator = Generator(LongT5(auto), None, mesh, one, DecodeConfig(), 4)
     assert generator.model.config.attention_kernel == "xla"
-    assert not auto.fused_attention  # the default backend here is the CPU
+    assert not base.fused(auto)  # the default device here is a CPU
     ids = jnp.ones((2, 128), jnp.int32)
     model = LongT5(auto)
     params = jax.eval_shape(model.init, jax.random.key(0), ids, None, ids[:, :16])

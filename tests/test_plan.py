@@ -81,6 +81,9 @@ def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
         (["--target", "v100"], f"--target 'v100': expected cpu, one of {targets.names()}"),
         (["--target", "v100-32gb", "--dtype", "bfloat16"], NO_BF16),
         (["--offload", "disk"], "--offload disk: expected some of ('none', 'optimizer'"),
+        (["--target", "v100-32gb", "--attention_kernel", "pallas"],
+         "--attention_kernel pallas: the fused kernels compile for GPUs of compute capability 8.0 "
+         "and newer, not v100-32gb; use auto or xla"),
     ],
 )  # fmt: skip
 def test_plan_bad_input_is_one_line(argv, message, capsys):
@@ -147,7 +150,7 @@ def test_commands_default_dtype_to_the_targets_half_precision(capsys):
         assert parse(["--target", "cpu"]).dtype == "bfloat16"
         assert parse([]).dtype == "bfloat16"  # the default target: A100
     assert plan.main([*SMALL, "--target", "v100-32gb", "--compile_top", "0"]) == 0
-    assert "tiny transient-global float16 128/16 on 1 nodes x 8 GPUs, 32 GiB, 125 TFLOP/s" in (
+    assert "float16 128/16 attention_kernel=xla on 1 nodes x 8 GPUs, 32 GiB, 125 TFLOP/s" in (
         capsys.readouterr().out
     )
 
@@ -241,6 +244,46 @@ def test_the_memory_fit_minimises_the_worst_relative_error():
     one = [(act(10.0, 0.0, logits=0.0), 0.0, 20.0), (act(20.0, 0.0, logits=0.0), 0.0, 44.0)]
     ((a, b),) = memory_model.fit(one).values()
     assert a == pytest.approx(2 / (1 / 2 + 1 / 2.2), rel=1e-6) and b == pytest.approx(0, abs=1e-6)
+
+
+def test_the_planner_plans_the_kernels_for_gpus_and_says_so_in_the_gin(capsys):
+    """--attention_kernel auto (the default): the fused kernels for a GPU target that compiles
+    them, XLA's attention for a V100 (Triton compiles for Ampere on) and CPUs; the gin flags
+    select what was planned."""
+    for argv, kernel in (
+        ([], "pallas"),
+        (["--target", "v100-32gb"], "xla"),
+        (["--target", "cpu"], "xla"),
+        (["--attention_kernel", "xla"], "xla"),
+    ):
+        assert plan.main([*SMALL, *argv, "--compile_top", "0"]) == 0
+        out = capsys.readouterr().out
+        assert f"attention_kernel={kernel} on " in out
+        assert f"--gin.LongT5Config.attention_kernel=\"'{kernel}'\"" in out.split("gin flags:")[1]
+
+
+def test_the_kernels_memory_keeps_their_outputs_and_no_scores():
+    """With the fused kernels save_attention is a fourth candidate policy whose stash adds each
+    kernel's output and log-sum-exp (the encoder's one, the decoder's two a layer), and no
+    policy holds a score tensor; on XLA's path save_attention is full remat."""
+    xla = LongT5Config.preset("xl", "tglobal", dtype="bfloat16")
+    fused = dataclasses.replace(xla, attention_kernel="pallas")
+    rows, tensor, lengths = 2.0, 4, (16384, 512)
+
+    def act(config, remat):
+        return memory_model.activations(config, lengths, rows, tensor, remat=remat)
+
+    full, saved = act(fused, "full"), act(fused, "save_attention")
+    per_token = 2 * 32 * 64 / tensor + 4 * 32 / tensor  # bf16 output, float32 log-sum-exp
+    assert saved.stash - full.stash == pytest.approx(rows * per_token * 24 * (16384 + 2 * 512))
+    assert (full.policy, saved.policy) == ("fused full", "fused save_attention")
+    assert act(xla, "save_attention") == act(xla, "full")
+    for remat in ("none", "full", "save_dots"):
+        assert act(fused, remat).bytes() < act(xla, remat).bytes()
+    remats = {
+        c: {x.remat for x in candidates.enumerate_candidates(c, 32, 4, [128])} for c in (xla, fused)
+    }
+    assert remats[fused] == remats[xla] | {"save_attention"} and "save_attention" not in remats[xla]
 
 
 def test_offload_is_a_candidate_dimension_with_its_memory_and_pcie_cost():

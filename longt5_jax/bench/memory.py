@@ -45,6 +45,28 @@ GRID = {
         "32,1,1,3,0,1,full", "16,2,1,2,0,1,full", "8,4,1,1,0,1,full", "8,4,1,3,0,1,save_dots",
     ],
 }  # fmt: skip
+# The fused kernels' grid (`--attention_kernel pallas`): their four policies, pipelines too.
+FUSED_GRID = {
+    "base:4096:128": [
+        "32,1,1,0,0,1,full", "32,1,1,3,0,1,save_attention", "32,1,1,1,0,1,save_dots",
+        "32,1,1,2,0,1,none", "8,4,1,1,0,1,full", "8,4,1,1,0,1,save_attention",
+        "8,4,1,1,0,1,save_dots", "8,4,1,1,0,1,none", "4,4,2,1,8,1,full",
+        "4,4,2,1,8,1,save_attention", "4,4,2,1,8,1,save_dots",
+    ],
+    "large:4096:256": [
+        "32,1,1,1,0,1,save_attention", "16,2,1,3,0,1,full", "16,2,1,2,0,1,save_dots",
+        "8,4,1,0,0,1,none", "8,2,2,1,4,1,full", "8,2,2,1,4,1,save_attention",
+        "8,2,2,1,4,1,save_dots",
+    ],
+    "xl:8192:128": [
+        "32,1,1,2,0,1,full", "8,4,1,1,0,1,save_attention", "16,2,1,2,0,1,save_dots",
+        "4,4,2,1,8,1,full", "4,4,2,1,8,1,save_attention", "8,1,4,3,16,2,save_dots",
+    ],
+    "xl:16384:64": [
+        "32,1,1,3,0,1,full", "32,1,1,3,0,1,save_attention", "8,4,1,1,0,1,full",
+        "16,1,2,0,4,1,full", "16,1,2,0,4,1,save_attention",
+    ],
+}  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     targets.add_cluster_arguments(p)
     p.add_argument("--grid", nargs="+", help="MODEL:LENGTH:BATCH=d,t,p,zero,m,r,remat[;...]")
     p.add_argument("--attention", default="tglobal")
+    p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
     p.add_argument("--fit", action="store_true", help="refit the calibration on this grid")
@@ -63,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _grid(args: argparse.Namespace) -> dict[str, list[str]]:
     if not args.grid:
-        return GRID
+        return FUSED_GRID if args.attention_kernel == "pallas" else GRID
     out = {}
     for item in args.grid:
         key, sep, cands = item.partition("=")
@@ -86,7 +109,12 @@ def _measure(args, devices) -> list[dict]:
     rows = []
     for key, texts in _grid(args).items():
         model, length, batch = key.split(":")
-        config = LongT5Config.preset(model, args.attention, dtype=half_dtype(devices[0]))
+        config = LongT5Config.preset(
+            model,
+            args.attention,
+            dtype=half_dtype(devices[0]),
+            attention_kernel=args.attention_kernel,
+        )
         shapes = ModelShapes.of(config, optimizer)
         lengths = (int(length), args.target_length)
         for text in texts:
@@ -181,7 +209,7 @@ def _main(argv: list[str]) -> int:
         samples = [(r["activations"], r["static"], r["compiled"]) for r in rows]
         fitted = memory_model.fit(samples)
         calibrations["refit"] = {**memory_model.CALIBRATION, **fitted}
-        print("refit: " + ", ".join(f"{k}: ({a:.2f}, {b:.1f})" for k, (a, b) in fitted.items()))
+        print("refit: " + ", ".join(f"{k}: ({a:.2f}, {b:.2f})" for k, (a, b) in fitted.items()))
     _table(rows, calibrations)
     out = Path(args.out_dir)
     report = {

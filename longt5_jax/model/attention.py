@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import attention_kernel as kernel
+from longt5_jax.model import kernel_base as base
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import AttentionDropout, Projection, Rows, dropout_scale, normal
 
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         seed = self.dropout(rows)
         # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
-        if c.fused_attention and q_BTHK.shape[1] > 1:
+        if base.fused(c) and q_BTHK.shape[1] > 1:
             dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
             out_BTHK = kernel.attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS, dropout)
             return self.out(nn.with_logical_constraint(out_BTHK, HEADS))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
 Attention = Literal["local", "transient-global"]
@@ -60,8 +59,8 @@ class LongT5Config:
     # Attention: "xla" (the reference, score tensors in memory), "pallas" (fused kernels for
     # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
     # Triton on a GPU, interpreted on a CPU; attention dropout inside them) or "auto" (the
-    # kernels on a GPU, XLA's attention elsewhere: `for_platform`). Cached decoding (one query
-    # a step) runs the XLA path.
+    # kernels on a GPU that runs them, XLA's attention elsewhere: `resolved`). Cached decoding
+    # (one query a step) runs the XLA path.
     attention_kernel: str = "xla"
     pad_id: int = 0
     eos_id: int = 1
@@ -108,21 +107,13 @@ class LongT5Config:
         """Local attention block: a query attends up to local_radius tokens on each side."""
         return self.local_radius + 1
 
-    def for_platform(self, platform: str) -> LongT5Config:
-        """This config with `attention_kernel="auto"` made concrete for devices of `platform` (a
-        jax platform name): the fused kernels on a GPU, faster there in every case measured;
-        XLA's attention elsewhere, where the kernels would run interpreted."""
+    def resolved(self, kernels_run: bool) -> LongT5Config:
+        """This config with `attention_kernel="auto"` made concrete: the fused kernels where they
+        run (`kernels_run`: a CUDA GPU from Ampere on, `kernel_base.runs_on`), faster
+        there in every case measured; XLA's attention elsewhere."""
         if self.attention_kernel != "auto":
             return self
-        kernel = "pallas" if platform in ("gpu", "cuda") else "xla"
-        return dataclasses.replace(self, attention_kernel=kernel)
-
-    @property
-    def fused_attention(self) -> bool:
-        """Whether attention runs the fused kernels; "auto" not made concrete for the devices
-        compiled for (the train step and the generator do it for their mesh) is made so for
-        the default backend's."""
-        return self.for_platform(jax.default_backend()).attention_kernel == "pallas"
+        return dataclasses.replace(self, attention_kernel="pallas" if kernels_run else "xla")
 
     @property
     def compute_dtype(self) -> jnp.dtype:

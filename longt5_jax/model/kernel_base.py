@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import fnmatch
 import inspect
+import re
 from typing import NamedTuple
 
 import jax
@@ -35,6 +36,26 @@ _AVAL = {"manual_axis_type": "mat", "vma": "vma"}
 _MANUAL = next(
     (k for k in _AVAL if k in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters), None
 )
+
+
+# Triton, which the kernels are written for, compiles for CUDA GPUs of compute capability 8.0
+# (Ampere) and newer: a V100 (7.0) runs XLA's attention.
+KERNELS_SINCE = 8
+
+
+def runs_on(compute_capability: str) -> bool:
+    """Whether the kernels compile for a GPU of this CUDA compute capability ("9.0"; "" for a
+    CPU, where they would run interpreted, or a GPU that is not CUDA's)."""
+    m = re.fullmatch(r"(\d+)\.\d+", compute_capability)
+    return m is not None and int(m.group(1)) >= KERNELS_SINCE
+
+
+def fused(config) -> bool:
+    """Whether attention runs the kernels: `attention_kernel="auto"` that nothing made concrete
+    for the devices compiled for (the train step and the generator do, for their mesh) is
+    made so for the default device."""
+    found = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return config.resolved(runs_on(found)).attention_kernel == "pallas"
 
 
 def pow2(x: int) -> int:

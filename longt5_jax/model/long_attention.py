@@ -84,7 +84,7 @@ def local_bias(config, table_HR: jax.Array) -> jax.Array:
     buckets = relpos.relative_position_bucket(
         relative, True, config.relpos_buckets, config.relpos_max_distance
     )
-    if config.fused_attention:
+    if base.fused(config):
         table_HR = jnp.concatenate([table_HR, jnp.full((heads, 1), base.NEG, table_HR.dtype)], 1)
         buckets = jnp.where(jnp.abs(relative) < w, buckets, r)
     return relpos.lookup(table_HR, buckets)
@@ -168,7 +168,7 @@ class LongSelfAttention(nn.Module):
             side = (side_k, side_v)
         k_BLHK = nn.with_logical_constraint(k_BLHK, HEADS)
         v_BLHK = nn.with_logical_constraint(v_BLHK, HEADS)
-        if c.fused_attention:
+        if base.fused(c):
             out_BLHK = self._fused(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
                                    side, side_table_HR, rows)  # fmt: skip
         else:

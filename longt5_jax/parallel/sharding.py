@@ -12,7 +12,9 @@ import flax.linen as nn
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from longt5_jax.errors import ConfigError
 from longt5_jax.model import kernel_base as base
+from longt5_jax.parallel.devices import capability
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.rules import Use, rules
 
@@ -100,8 +102,16 @@ def kernels_interpreted(mesh: Mesh | AbstractMesh) -> bool:
 
 def for_devices(model: nn.Module, mesh: Mesh) -> nn.Module:
     """`model` with its config made concrete for `mesh`'s devices (`attention_kernel="auto"`:
-    the fused kernels on GPUs, a deviceless target's included)."""
-    config = model.config.for_platform(mesh.devices.flat[0].platform)
+    the fused kernels on GPUs that run them, a deviceless target's included)."""
+    device, kernel = mesh.devices.flat[0], model.config.attention_kernel
+    found = capability(device)
+    if kernel == "pallas" and device.platform == "gpu" and not base.runs_on(found):
+        raise ConfigError(
+            f"LongT5Config.attention_kernel='pallas': {device.device_kind} (compute capability "
+            f"{found}) cannot run the fused kernels (Triton compiles for 8.0 and newer); use "
+            "'auto' or 'xla'"
+        )
+    config = model.config.resolved(base.runs_on(found))
     return model if config is model.config else model.clone(config=config)
 
 

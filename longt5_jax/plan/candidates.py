@@ -22,9 +22,13 @@ from longt5_jax.plan import comm_model, cost, flops, memory_model
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.step import StepConfig
 
-# The memory model is calibrated on the XLA attention path (the default), where save_attention
-# compiles to the same program as full: the planner weighs the other three.
-PLANNED_REMAT = tuple(p for p in REMAT_POLICIES if p != "save_attention")
+
+def planned_remat(config: LongT5Config) -> tuple[str, ...]:
+    """The remat policies the planner weighs: all four with the fused kernels; on XLA's
+    attention save_attention compiles to full remat's program, so three."""
+    if config.attention_kernel == "pallas":
+        return REMAT_POLICIES
+    return tuple(p for p in REMAT_POLICIES if p != "save_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,7 @@ def enumerate_candidates(
 
     Tensor parallelism stays inside a node (its all-reduces are on the critical path).
     """
-    out = []
+    out, remats = [], planned_remat(config)
     layers = (config.num_encoder_layers, config.num_decoder_layers)
     widths = (config.num_heads, config.d_ff, config.vocab_size)
     for t, p in itertools.product(_divisors(devices), _divisors(devices)):
@@ -113,7 +117,7 @@ def enumerate_candidates(
         for (m, r), batch in itertools.product(schedules, batch_sizes):
             if any(n % (p * r) for n in layers) or batch % (data * max(m, 1)):
                 continue
-            for zero, remat, off in itertools.product(range(4), PLANNED_REMAT, offloads):
+            for zero, remat, off in itertools.product(range(4), remats, offloads):
                 out.append(Candidate(data, t, p, zero, m, r, remat, batch, off))
     return out
 

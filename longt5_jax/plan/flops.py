@@ -89,7 +89,7 @@ def executed_flops_per_step(
     the attention's outputs too and rerun none of its matmuls; the LM head sits outside the
     remat'ed layers."""
     f = model_flops(c, input_length, target_length)
-    fused = c.for_platform("gpu").attention_kernel == "pallas"  # the roofline is a GPU's
+    fused = c.resolved(True).attention_kernel == "pallas"  # the roofline is a GPU's
     attention = 0.0 if fused else f.attention  # what is rerun of it
     layers = f.encoder + f.decoder
     again = {

@@ -9,15 +9,18 @@ under `full` remat. A pipeline stage keeps that for its layers over every row, b
 iterations included, beside its slots of the rows' ring and the encoder output it reads.
 Scores are the attention score elements of the largest layer (local and side keys per encoder
 query, self and cross keys per decoder query), which the backward pass of that layer holds at
-once in float32 (scores, probabilities and their gradients: `b` bytes each). Logits are float32,
-their gradient beside them.
+once in float32 (scores, probabilities and their gradients: `b` bytes each). The fused kernels
+hold no scores: there that term is the largest layer's activations, which remat recomputes for
+its backward, and the stash keeps each kernel's output and log-sum-exp where the policy names
+them (`save_attention`, `save_dots`). Logits are float32, their gradient beside them.
 
 The coefficients (a, b) per remat policy (a pipeline's rows apart: its stages keep their stash
 in a loop over iterations, not in the layer scan) are the non-negative pair with the smallest
 worst relative error of the whole memory against what XLA's GPU compiler assigns for the
 8 x 4 A100-80GB cluster across base, large and xl at 4k-16k inputs, every ZeRO stage and
 data / tensor / pipeline layouts: `python -m longt5_jax.bench memory --fit` compiles that grid
-and prints them. The structure is the model's; only these two numbers per row come from the fit.
+and prints them (`--attention_kernel pallas`: the kernels' grid, the "fused" rows). The
+structure is the model's; only these two numbers per row come from the fit.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ CALIBRATION = {
     "full": (1.11, 10.9),
     "pipelined full": (0.89, 6.3),
     "pipelined save_dots": (0.505, 70.8),
+    # With the fused kernels, b is per byte of the layer's activations (`--attention_kernel
+    # pallas`, 29 compiles: within 19.3% of the compiled memory, 66% uncalibrated).
+    "fused none": (1.32, 0.0),
+    "fused full": (1.38, 0.18),
+    "fused save_attention": (1.14, 0.21),
+    "fused save_dots": (0.62, 0.0),
+    "fused pipelined full": (1.0, 0.0),
+    "fused pipelined save_attention": (1.01, 0.0),
+    "fused pipelined save_dots": (0.64, 0.0),
 }
 
 
@@ -41,14 +53,17 @@ class Activations:
     """Activation bytes per device of a layout, before calibration."""
 
     stash: float
-    scores: float  # score elements (not bytes) of the largest layer
+    # What the backward of the largest layer holds at once beside the stash: with XLA's
+    # attention its score elements (`b` bytes each), with the fused kernels (no scores) the
+    # bytes of that layer's activations, which remat recomputes.
+    transient: float
     logits: float
-    policy: str  # the CALIBRATION row: the remat policy, "pipelined <policy>" for a pipeline
+    policy: str  # the CALIBRATION row: "[fused ][pipelined ]<remat policy>"
 
     def bytes(self, calibration: dict[str, tuple[float, float]] = CALIBRATION) -> float:
         # A pipelined policy not in the grid takes the plain policy's row.
-        a, b = calibration.get(self.policy) or calibration[self.policy.split()[-1]]
-        return a * self.stash + b * self.scores + self.logits
+        a, b = calibration.get(self.policy) or calibration[self.policy.replace("pipelined ", "")]
+        return a * self.stash + b * self.transient + self.logits
 
 
 def activations(
@@ -68,13 +83,15 @@ def activations(
     heads = config.num_heads / t
     g = length // config.global_block_size if config.attention == "transient-global" else 0
     cross_kv = 2 * b * hk / t * length  # one decoder layer's cross keys and values, per row
-    enc_scores = heads * (3 * config.block_len + g) * length
-    dec_scores = heads * (target + length) * target
+    enc_keys, dec_keys = 3 * config.block_len + g, target + length  # per query
     enc_layers = config.num_encoder_layers / pipeline
     dec_layers = config.num_decoder_layers / pipeline
     logits = rows / pipeline * target * config.vocab_size / t * 12  # a pipeline splits the head
     inputs = b * d * (enc_layers * length + dec_layers * target)  # every layer's input, per row
-    policy = f"pipelined {remat}" if pipeline > 1 else remat
+    fused = config.attention_kernel == "pallas"
+    if not fused and remat == "save_attention":
+        remat = "full"  # nothing is named on XLA's path: the same program
+    policy = ("fused " if fused else "") + ("pipelined " if pipeline > 1 else "") + remat
     if pipeline > 1:
         micro = rows / microbatches
         # The stage's slots of the rows' ring, and the encoder output every stage reads.
@@ -83,17 +100,32 @@ def activations(
         rows *= (microbatches * repeats + pipeline - 1) / (microbatches * repeats)
     else:
         micro, buffers = rows, 0.0
-    if remat == "full":
-        scores = micro * max(enc_scores, dec_scores)
-        return Activations(rows * inputs + buffers, scores, logits, policy)
-    # Per token of one layer: every activation (none), or the matmul outputs (save_dots).
-    enc = b * (10 * d + 4 * hk / t + 4 * f / t) + (8 + b) * heads * (3 * config.block_len + g)
-    dec = b * (14 * d + 8 * hk / t + 4 * f / t) + (8 + b) * heads * (target + length)
-    if remat == "save_dots":
-        enc, dec = b * (4 * d + 3 * hk / t + 2 * f / t), b * (6 * d + 6 * hk / t + 2 * f / t)
+    # Per token of one layer: every activation; with XLA's attention its probabilities (float32
+    # and the compute dtype) over every key, with the kernels their outputs and log-sum-exps
+    # (the decoder's two attentions each).
+    if fused:
+        kept = b * hk / t + 4 * heads
+        enc_att, dec_att = kept, 2 * kept
+    else:
+        enc_att, dec_att = (8 + b) * heads * enc_keys, (8 + b) * heads * dec_keys
+    enc = b * (10 * d + 4 * hk / t + 4 * f / t) + enc_att
+    dec = b * (14 * d + 8 * hk / t + 4 * f / t) + dec_att
+    if fused:
+        transient = micro * max(enc * length, dec * target + cross_kv)
+    else:
+        transient = micro * heads * max(enc_keys * length, dec_keys * target)
+    if remat == "none":
+        transient = 0.0
+    if remat in ("full", "save_attention"):
+        # Each layer's input; the kernels' outputs too where save_attention names them.
+        kept = enc_layers * enc_att * length + dec_layers * dec_att * target
+        stash = rows * (inputs + (kept if remat == "save_attention" else 0.0)) + buffers
+        return Activations(stash, transient, logits, policy)
+    if remat == "save_dots":  # the matmuls' outputs, the kernels' too
+        enc = b * (4 * d + 3 * hk / t + 2 * f / t) + (enc_att if fused else 0.0)
+        dec = b * (6 * d + 6 * hk / t + 2 * f / t) + (dec_att if fused else 0.0)
     stash = inputs + enc_layers * enc * length + dec_layers * (dec * target + cross_kv)
-    scores = 0.0 if remat == "none" else micro * max(enc_scores, dec_scores)
-    return Activations(rows * stash + buffers, scores, logits, policy)
+    return Activations(rows * stash + buffers, transient, logits, policy)
 
 
 def fit(samples: list[tuple[Activations, float, float]]) -> dict[str, tuple[float, float]]:
@@ -103,7 +135,7 @@ def fit(samples: list[tuple[Activations, float, float]]) -> dict[str, tuple[floa
     for policy in sorted({a.policy for a, _, _ in samples}):
         # error_i(a, b) = (a x_i + b y_i + c_i) / compiled_i - 1, affine in (a, b)
         rows = [
-            (act.stash / total, act.scores / total, (static + act.logits) / total - 1)
+            (act.stash / total, act.transient / total, (static + act.logits) / total - 1)
             for act, static, total in samples
             if act.policy == policy
         ]

@@ -26,6 +26,7 @@ import time
 from longt5_jax import cli
 from longt5_jax.errors import RunFault, UsageError
 from longt5_jax.model import LongT5Config
+from longt5_jax.model.kernel_base import runs_on
 from longt5_jax.parallel.mesh import OFFLOADS
 from longt5_jax.plan import candidates as cands
 from longt5_jax.plan import compile_ahead, cost, hlo, targets
@@ -48,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="base", help="preset: tiny, small, base, large, xl, xxl")
     p.add_argument("--attention", default="tglobal", help="local or tglobal")
+    p.add_argument(
+        "--attention_kernel",
+        default="auto",
+        choices=["auto", "xla", "pallas"],
+        help="the fused kernels (pallas) or XLA's attention; auto: the kernels on a GPU target",
+    )
     p.add_argument("--input_length", type=int, default=4096)
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[128], help="global batches")
@@ -81,8 +88,15 @@ def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Ta
         raise ValueError("--input_length, --target_length and --batch_sizes must be >= 1")
     if args.compile_top < 0 or args.show < 1:
         raise ValueError("--compile_top must be >= 0 and --show >= 1")
-    config = LongT5Config.preset(args.model, args.attention, dtype=args.dtype)
     target = targets.load(args.target)
+    config = LongT5Config.preset(
+        args.model, args.attention, dtype=args.dtype, attention_kernel=args.attention_kernel
+    ).resolved(runs_on(target.compute_capability))
+    if config.attention_kernel == "pallas" and not runs_on(target.compute_capability):
+        raise ValueError(
+            f"--attention_kernel pallas: the fused kernels compile for GPUs of compute capability "
+            f"8.0 and newer, not {target.name}; use auto or xla"
+        )
     cluster = cost.Cluster.from_args(target, args)
     if target.is_gpu and args.compile_top and not targets.have_gpu_compiler():
         raise ValueError(targets.GPU_EXTRA_MISSING)
@@ -185,7 +199,8 @@ def _ranked(args: argparse.Namespace, config: LongT5Config, cluster: Cluster) ->
     kept = [e for e in estimates if e.memory <= 1.5 * limit]
     print(
         f"{args.model} {config.attention} {config.dtype} {args.input_length}/{args.target_length} "
-        f"on {cluster.describe()}\n{len(found)} candidates divide; {len(found) - len(kept)} "
+        f"attention_kernel={config.attention_kernel} on {cluster.describe()}\n"
+        f"{len(found)} candidates divide; {len(found) - len(kept)} "
         f"dropped as hopeless (analytic memory > 1.5 x {cluster.memory_gib:g} GiB); "
         f"{sum(e.memory <= limit for e in kept)} fit by the analytic estimate",
         flush=True,
@@ -239,8 +254,9 @@ def run(args: argparse.Namespace, config, cluster, target, devices: list) -> int
     if rows and not best:
         print("\nno compiled candidate fits; the best by the analytic estimate instead:")
     print("\nbest, as gin flags:")
+    kernel = f"--gin.LongT5Config.attention_kernel=\"'{config.attention_kernel}'\""
     for e in (best or fitting or ranked)[: min(3, args.show)]:
-        print(f"  {e.candidate.label()}\n    {e.candidate.gin()}")
+        print(f"  {e.candidate.label()}\n    {e.candidate.gin()} {kernel}")
     return 0
 
 
