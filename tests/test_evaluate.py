@@ -13,7 +13,10 @@ from test_train import TINY_RUN
 from longt5_jax import evaluate, predict, train
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer
+from longt5_jax.infer.decode import DecodeConfig
+from longt5_jax.infer.generator import from_checkpoint
 from longt5_jax.infer.rouge import rouge
+from longt5_jax.parallel.mesh import ParallelConfig
 
 # One short training run feeds every test here; together they take about a minute: slow run.
 pytestmark = pytest.mark.slow
@@ -134,3 +137,16 @@ def test_evaluate_bad_arguments_are_one_line(run, tmp_path, capsys):
     argv = [f"--gin_file={run}/config.gin", f"--checkpoint={run}", "--split=nope"]
     assert evaluate.main([*argv, "--gin.RunConfig.cpu_devices=0"]) == 2
     assert "aclsum has no split 'nope'" in capsys.readouterr().err
+
+
+def test_a_checkpoint_trained_with_the_kernels_decodes_with_what_runs_here(run, tmp_path):
+    """The training run's attention_kernel was for its devices: decoding takes what these
+    CPUs run (XLA's attention, not interpreted kernels)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run / "checkpoints" / "4", copy)
+    saved = json.loads((copy / "config" / "metadata").read_text())
+    saved["model"]["attention_kernel"] = "pallas"
+    (copy / "config" / "metadata").write_text(json.dumps(saved))
+    generator, config = from_checkpoint(copy, ParallelConfig(data=1), DecodeConfig(), 4)
+    assert config.attention_kernel == "auto"
+    assert generator.model.config.attention_kernel == "xla"

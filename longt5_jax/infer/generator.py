@@ -84,8 +84,11 @@ def for_decoding(parallel: ParallelConfig) -> ParallelConfig:
 def from_checkpoint(
     step_dir: Path, parallel: ParallelConfig, decode: DecodeConfig, length: int
 ) -> tuple[Generator, LongT5Config]:
-    """A generator holding the checkpoint's parameters on a mesh of all devices per `plan`."""
-    config = model_config(step_dir)
+    """A generator holding the checkpoint's parameters on a mesh of all devices per `plan`,
+    with the attention that runs on them: the training run chose its own for its devices (a
+    GPU's kernels would run interpreted on CPUs, and not at all on a V100), and either gives
+    the same values to float rounding (`identity.FREE_FIELDS`)."""
+    config = dataclasses.replace(model_config(step_dir), attention_kernel="auto")
     parallel = for_decoding(parallel)
     mesh = make_mesh(parallel)
     params = restore_params(step_dir, restore_target(config, mesh, parallel.zero_stage))
