@@ -80,7 +80,8 @@ def _parts(exp: Experiment) -> loop.Parts:
     if jax.process_index() == 0:
         print(
             f"{count_params(step.abstract_state.params) / 1e6:.2f}M parameters, mesh "
-            f"{dict(mesh.shape)}, ZeRO-{exp.parallel.zero_stage}, {jax.device_count()} devices",
+            f"{dict(mesh.shape)}, ZeRO-{exp.parallel.zero_stage}, {jax.device_count()} devices, "
+            f"attention_kernel={step.model.config.attention_kernel}",
             flush=True,
         )
     config_text = configuration.operative_config()

@@ -67,7 +67,8 @@ def train_command(model_dir, *extra: str) -> list[str]:
 
 
 def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
-    rc = train.main([*TINY_RUN, f"--gin.MODEL_DIR='{tmp_path}'"])
+    auto = "--gin.LongT5Config.attention_kernel='auto'"  # as the run files: XLA's on CPUs
+    rc = train.main([*TINY_RUN, auto, f"--gin.MODEL_DIR='{tmp_path}'"])
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -76,7 +77,9 @@ def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
     assert "ParallelConfig.zero_stage" in (tmp_path / "config.gin").read_text()
     assert (tmp_path / "checkpoints" / "4").is_dir()
     assert list((tmp_path / "tensorboard").iterdir())
-    assert "step      4/4  loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step      4/4  loss" in out
+    assert " devices, attention_kernel=xla\n" in out
 
 
 @pytest.mark.slow
