@@ -2,7 +2,7 @@
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
 # dependencies importable, within BUDGET seconds (default 540), most informative first (device
 # time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
-# picks and orders the sections (default "kernels fill launch adafactor xla profile rest
+# picks and orders the sections (default "kernels fill launch adafactor xla train profile rest
 # transformers unrolled"):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
 #     float32 and bfloat16; the default launch checked), each kernel's time, registers and
@@ -22,6 +22,9 @@
 #     default, LongT5's T5X setup; every other step is AdamW's, as the field's MFU figures are):
 #     deviceless, xl 4k save_dots 274 -> 249 GB a step, roofline MFU 38.3% -> 41.2%;
 #   xla: the goal cases with XLA's attention;
+#   train: the trainer as users run it (the pretraining run file, whose attention_kernel "auto"
+#     its first line resolves, base TGlobal on the embedded papers, 4096 -> 910, 8 a batch,
+#     Adafactor): the whole loop's tokens/s and MFU, data and checkpoint included;
 #   profile: a profiler trace of each case of PROFILE (the first goal case), kernel by kernel;
 #   rest: the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
 #     remat; then XLA);
@@ -155,13 +158,22 @@ step_rest() {
     device "$case" xla
   done
 }
+step_train() {
+  section "train: runs/pretrain.gin, base TGlobal, 4096 -> 910 x 8"
+  rm -rf "$out/train"
+  run 150 python3 -m longt5_jax.train --gin_file=configs/runs/pretrain.gin \
+    --gin_file=configs/models/base_tglobal.gin --gin_file=configs/data/aclsum_pretrain.gin \
+    --gin.MODEL_DIR="'$out/train'" --gin.RunConfig.train_steps=24 --gin.RunConfig.log_every=4 \
+    --gin.RunConfig.peak_flops_per_device=989e12
+  rm -rf "$out/train/checkpoints" # the parameters are not a result
+}
 step_transformers() {
   section "transformers on $first"
   run 90 python3 -m longt5_jax.bench device --no-deviceless --steps 3 --warmup 1 \
     --transformers --attention_kernel pallas --launch "$best" --autotune_cache "$out/autotune" \
     --out_dir "$out/transformers" --cases "$first"
 }
-for step in ${STEPS:-kernels fill launch adafactor xla profile rest transformers unrolled}; do
+for step in ${STEPS:-kernels fill launch adafactor xla train profile rest transformers unrolled}; do
   "step_$step"
 done
 section "done"

@@ -71,6 +71,11 @@ def test_a_lease_times_the_kernels_then_a_full_batch_then_each_goal_with_the_fas
     ]
     assert [a[:2] for a in asked if a[0] == "profile"] == [("profile", "base")]
     assert "skipped" not in log
+    # The trainer as users run it, once, after XLA's goal cases: the run file's "auto".
+    calls = (tmp_path / "calls").read_text().splitlines()
+    (train,) = [i for i, line in enumerate(calls) if line.startswith("-m longt5_jax.train ")]
+    assert "--gin_file=configs/runs/pretrain.gin" in calls[train]
+    assert "--attention_kernel xla" in calls[train - 1] and "profile" in calls[train + 1]
 
 
 def test_each_step_is_measured_once_and_nothing_runs_past_the_budget(tmp_path):
