@@ -100,9 +100,12 @@ def kernels_interpreted(mesh: Mesh | AbstractMesh) -> bool:
     return not isinstance(mesh, AbstractMesh) and mesh.devices.flat[0].platform == "cpu"
 
 
-def for_devices(model: nn.Module, mesh: Mesh) -> nn.Module:
+def for_devices(model: nn.Module, mesh: Mesh | AbstractMesh) -> nn.Module:
     """`model` with its config made concrete for `mesh`'s devices (`attention_kernel="auto"`:
-    the fused kernels on GPUs that run them, a deviceless target's included)."""
+    the fused kernels on GPUs that run them, a deviceless target's included). An abstract mesh
+    (shardings only) runs nothing: the model as it is."""
+    if isinstance(mesh, AbstractMesh):
+        return model
     device, kernel = mesh.devices.flat[0], model.config.attention_kernel
     found = capability(device)
     if kernel == "pallas" and device.platform == "gpu" and not base.runs_on(found):
