@@ -106,15 +106,16 @@ def for_devices(model: nn.Module, mesh: Mesh | AbstractMesh) -> nn.Module:
     (shardings only) runs nothing: the model as it is."""
     if isinstance(mesh, AbstractMesh):
         return model
-    device, kernel = mesh.devices.flat[0], model.config.attention_kernel
+    device = mesh.devices.flat[0]
     found = capability(device)
-    if kernel == "pallas" and device.platform == "gpu" and not base.runs_on(found):
+    runs = base.runs_on(found)
+    if model.config.attention_kernel == "pallas" and device.platform == "gpu" and not runs:
         raise ConfigError(
             f"LongT5Config.attention_kernel='pallas': {device.device_kind} (compute capability "
             f"{found}) cannot run the fused kernels (Triton compiles for 8.0 and newer); use "
             "'auto' or 'xla'"
         )
-    config = model.config.resolved(base.runs_on(found))
+    config = model.config.resolved(runs)
     return model if config is model.config else model.clone(config=config)
 
 

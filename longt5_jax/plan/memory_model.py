@@ -104,18 +104,18 @@ def activations(
     # and the compute dtype) over every key, with the kernels their outputs and log-sum-exps
     # (the decoder's two attentions each).
     if fused:
-        kept = b * hk / t + 4 * heads
-        enc_att, dec_att = kept, 2 * kept
+        out = b * hk / t + 4 * heads
+        enc_att, dec_att = out, 2 * out
     else:
         enc_att, dec_att = (8 + b) * heads * enc_keys, (8 + b) * heads * dec_keys
     enc = b * (10 * d + 4 * hk / t + 4 * f / t) + enc_att
     dec = b * (14 * d + 8 * hk / t + 4 * f / t) + dec_att
-    if fused:
+    if remat == "none":
+        transient = 0.0
+    elif fused:
         transient = micro * max(enc * length, dec * target + cross_kv)
     else:
         transient = micro * heads * max(enc_keys * length, dec_keys * target)
-    if remat == "none":
-        transient = 0.0
     if remat in ("full", "save_attention"):
         # Each layer's input; the kernels' outputs too where save_attention names them.
         kept = enc_layers * enc_att * length + dec_layers * dec_att * target
