@@ -129,7 +129,7 @@ def _measure(args, devices) -> list[dict]:
                 (c.batch_size, *lengths),
                 optimizer=optimizer,
             )
-            static = cands.static_bytes(c, shapes)
+            static, memory = cands.static_bytes(c, shapes), compiled.memory()
             rows.append(
                 dict(
                     model=model,
@@ -137,7 +137,10 @@ def _measure(args, devices) -> list[dict]:
                     candidate=c.label(),
                     activations=cands.activations(c, config, lengths),
                     static=static,
-                    compiled=compiled.memory().total,
+                    compiled=memory.total,
+                    # What the compile's total is made of: the state it takes and gives back
+                    # (arguments, outputs) beside what it allocates within the step.
+                    memory=memory.as_dict(),
                     compile_s=time.perf_counter() - start,
                 )
             )

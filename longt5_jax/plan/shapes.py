@@ -82,13 +82,13 @@ class ModelShapes:
         use: str,
         zero_stage: int,
         itemsize: int = 4,
-        stacked_only: bool = False,
+        stack: str | None = None,
     ) -> float:
-        """Per-device bytes of a parameter-shaped tree (or of its stacked layers) under the rule
-        table for `use`."""
+        """Per-device bytes of a parameter-shaped tree (or of the scanned layers of `stack`:
+        "encoder" or "decoder") under the rule table for `use`."""
         pipelined = sizes.get("pipeline", 1) > 1
         return sum(
             itemsize * leaf.size / self.split(leaf, sizes, use, zero_stage, pipelined)
             for leaf in self.leaves
-            if leaf.stacked or not stacked_only
+            if stack is None or (leaf.stacked and leaf.path.startswith(stack + "/"))
         )
