@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import optax
 import pytest
 from test_compiled import zero_expected
@@ -367,6 +368,8 @@ def test_the_shipped_calibration_holds_on_its_grid(kernel, key, row, tmp_path, c
     from longt5_jax.bench import memory
     from longt5_jax.plan import memory_model
 
+    if jax.__version__ != memory_model.CALIBRATED_ON:  # another compiler's program, not the fit's
+        pytest.skip(f"the calibration is of jax {memory_model.CALIBRATED_ON}'s compile")
     assert row in (memory.FUSED_GRID if kernel == "pallas" else memory.GRID)[key]
     argv = ["--grid", f"{key}={row}", "--attention_kernel", kernel, "--out_dir", str(tmp_path)]
     assert memory.main(argv) == 0
