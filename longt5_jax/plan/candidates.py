@@ -145,18 +145,19 @@ def state_bytes(c: Candidate, shapes: ModelShapes) -> dict[str, float]:
     grads = shapes.sharded_bytes(sizes, "grads", zero)
     if c.pipeline > 1:  # the step's region: whole gradients per shard, and their partial sums
         grads = 2 * shapes.sharded_bytes(sizes, "grads", 0)
+    reordered = 0.0
     if c.repeats > 1:
         # A circular schedule reads its layers stage-major (`pipeline.stage_major`, an
         # all-to-all of the shards as held): the encoder's reordered copy is live through the
         # encoder's backward pass, where the step peaks; the decoder's is gone by then (XLA's
         # live ranges of an xl 16k p2 m8 r2 step for A100s: 2.3 GB, a stage's encoder layers).
-        grads += shapes.sharded_bytes(sizes, "params", zero, stack="encoder")
+        reordered = shapes.sharded_bytes(sizes, "params", zero, stack="encoder")
     if c.offload == "none":
-        return {"device": params + opt + grads, "host": 0.0}
+        return {"device": params + opt + grads + reordered, "host": 0.0}
     # Offloaded parameters still come to the device for the step's forward and backward
     # passes: counted there too (an upper bound: XLA frees some of them early).
     host = opt + (params if c.offload == "optimizer_and_params" else 0.0)
-    return {"device": params + grads, "host": host}
+    return {"device": params + grads + reordered, "host": host}
 
 
 def static_bytes(c: Candidate, shapes: ModelShapes) -> float:
