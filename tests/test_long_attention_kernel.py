@@ -301,13 +301,26 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, rem
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 def test_auto_takes_the_kernels_on_gpus_and_xla_elsewhere():
     """attention_kernel="auto": the train step and the generator make it concrete for their
-    mesh's devices (a deviceless H100's: the kernels; a V100's and this host's CPUs: XLA's
-    attention), the model for the default device where nothing did, and the GPU roofline
+    mesh's devices (a deviceless H100's: the kernels; an A100's: the kernels but for float32;
+    a V100's and this host's CPUs: XLA's attention), the model for the default device where
+    nothing did, and the GPU roofline
     counts what the kernels rerun."""
     auto = dataclasses.replace(GPU_CONFIG, attention_kernel="auto")
     h100 = targets.devices(targets.load("h100-80gb"), 1, 1)
     gpu = compile_ahead.sharded_step(auto, ParallelConfig(1, 1, 1, 0), devices=h100, per_node=1)
     assert gpu.model.config.attention_kernel == "pallas"
+    # An A100: the kernels in half precision, XLA's attention for float32, whose backward
+    # kernels ptxas spills there (test_bench_sass); the kernels asked for by name stay.
+    a100 = targets.devices(targets.load("a100-80gb"), 1, 1)
+    for dtype, want in (("bfloat16", "pallas"), ("float32", "xla")):
+        config = dataclasses.replace(auto, dtype=dtype)
+        step = compile_ahead.sharded_step(
+            config, ParallelConfig(1, 1, 1, 0), devices=a100, per_node=1
+        )
+        assert step.model.config.attention_kernel == want, dtype
+    wide = dataclasses.replace(GPU_CONFIG, dtype="float32")
+    step = compile_ahead.sharded_step(wide, ParallelConfig(1, 1, 1, 0), devices=a100, per_node=1)
+    assert step.model.config.attention_kernel == "pallas"
     batch = compile_ahead.abstract_batch(gpu, 2, 128, 16)
     assert "encoder_attention_fwd" in gpu.lower(gpu.abstract_state, batch).as_text()
     # A V100 (compute capability 7.0), which Triton does not compile for: XLA's attention, and

@@ -128,7 +128,8 @@ def measure(args, cluster, devices, model: str, length: int, strategy: str) -> d
     expected = comm_model.volumes(shapes, comm_model.Layout.of(parallel, n, step, shape))
     lengths = (length, args.target_length)
     remat = "full" if pipe > 1 else args.remat
-    executed = flops.executed_flops_per_step(config, b, *lengths, remat)
+    # The step's own config: `auto` made concrete for the target (float32 on an A100: XLA's).
+    executed = flops.executed_flops_per_step(compiled.step.model.config, b, *lengths, remat)
     idle = cost.bubble(pipe, micro, 1)
     mfu_time = cost.step_time(cost.compute_seconds(executed, n, cluster), a["comm_s"], idle)
     roof = a["roofline"]["seconds"]

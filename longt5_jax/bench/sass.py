@@ -40,6 +40,7 @@ CLASSES = (  # (class, opcode prefixes), first match wins
     ("exp", ("MUFU",)),
     ("float", ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "F2F", "FCHK")),
     ("memory", ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LDGSTS", "LDC", "RED", "ATOM")),
+    ("local", ("LDL", "STL")),  # spilled registers
     ("sync", ("BAR", "WARPGROUP", "DEPBAR", "MEMBAR", "FENCE", "LDGDEPBAR", "SYNCS")),
     ("uniform", ("U",)),
 )
@@ -210,7 +211,7 @@ def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> 
 def _print(case: str, readings: dict, before: dict | None) -> None:
     print(f"{case}: registers, spilled bytes, instructions, threads, shared KiB, programs an "
           "SM (limited by), occupancy, waves; per loop body: instructions "
-          "(tensor / exp / float / memory / other)")  # fmt: skip
+          "(tensor / exp / float / memory / local / other)")  # fmt: skip
     for name, r in readings.items():
         old = (before or {}).get(name, {})
         line = f"  {name:32s} {r['registers']:>4} {r['spill_bytes']:>5} {r['instructions']:>6}"
@@ -221,7 +222,7 @@ def _print(case: str, readings: dict, before: dict | None) -> None:
             line += f" / {old.get('programs_per_sm', '?')} an SM)"
         print(line)
         for i, loop in enumerate(r["loops"]):
-            c = [loop["by_class"].get(k, 0) for k in ("tensor", "exp", "float", "memory")]
+            c = [loop["by_class"].get(k, 0) for k in ("tensor", "exp", "float", "memory", "local")]
             parts = " / ".join(str(n) for n in [*c, loop["instructions"] - sum(c)])
             was = old["loops"][i]["instructions"] if i < len(old.get("loops", [])) else None
             print(f"      loop {i}: {loop['instructions']:>5} ({parts})"

@@ -107,13 +107,13 @@ class LongT5Config:
         """Local attention block: a query attends up to local_radius tokens on each side."""
         return self.local_radius + 1
 
-    def resolved(self, kernels_run: bool) -> LongT5Config:
+    def resolved(self, kernels_suit: bool) -> LongT5Config:
         """This config with `attention_kernel="auto"` made concrete: the fused kernels where they
-        run (`kernels_run`: a CUDA GPU from Ampere on, `kernel_base.runs_on`), faster
-        there in every case measured; XLA's attention elsewhere."""
+        suit (`kernels_suit`: a CUDA GPU from Ampere on, float32 from Hopper on,
+        `kernel_base.suits`), faster there in every case measured; XLA's attention elsewhere."""
         if self.attention_kernel != "auto":
             return self
-        return dataclasses.replace(self, attention_kernel="pallas" if kernels_run else "xla")
+        return dataclasses.replace(self, attention_kernel="pallas" if kernels_suit else "xla")
 
     @property
     def compute_dtype(self) -> jnp.dtype:

@@ -43,11 +43,31 @@ _MANUAL = next(
 KERNELS_SINCE = 8
 
 
-def runs_on(compute_capability: str) -> bool:
-    """Whether the kernels compile for a GPU of this CUDA compute capability ("9.0"; "" for a
-    CPU, where they would run interpreted, or a GPU that is not CUDA's)."""
+# float32 kernels only from 9.0 (Hopper) on. For 8.x, ptxas (CUDA 12.9 and 13.5, -O3) gives
+# the backward kernels of every family 32 registers and spills the rest: base TGlobal's dq
+# moves 9.5 KB of local memory a thread for each chunk of side keys, its side gradient 24 KB a
+# query block, where bfloat16's and an H100's float32 loops keep theirs in registers (`bench
+# sass`'s local column, docs/benchmarks.md).
+WIDE_SINCE = 9
+
+
+def _major(compute_capability: str) -> int:
+    """The major version of a CUDA compute capability ("9.0"), 0 for "" (a CPU, or a GPU that
+    is not CUDA's)."""
     m = re.fullmatch(r"(\d+)\.\d+", compute_capability)
-    return m is not None and int(m.group(1)) >= KERNELS_SINCE
+    return int(m.group(1)) if m else 0
+
+
+def runs_on(compute_capability: str) -> bool:
+    """Whether the kernels compile for a GPU of this CUDA compute capability."""
+    return _major(compute_capability) >= KERNELS_SINCE
+
+
+def suits(compute_capability: str, dtype) -> bool:
+    """Whether `attention_kernel="auto"` takes the kernels for activations of `dtype` on a GPU
+    of this compute capability: where they compile, float32 ones from `WIDE_SINCE` on."""
+    wide = jnp.dtype(dtype).itemsize >= 4
+    return _major(compute_capability) >= (WIDE_SINCE if wide else KERNELS_SINCE)
 
 
 def fused(config) -> bool:
@@ -55,7 +75,7 @@ def fused(config) -> bool:
     for the devices compiled for (the train step and the generator do, for their mesh) is
     made so for the default device."""
     found = str(getattr(jax.devices()[0], "compute_capability", ""))
-    return config.resolved(runs_on(found)).attention_kernel == "pallas"
+    return config.resolved(suits(found, config.dtype)).attention_kernel == "pallas"
 
 
 def pow2(x: int) -> int:
