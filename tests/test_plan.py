@@ -15,7 +15,7 @@ from longt5_jax.errors import ConfigError
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel import devices as local
 from longt5_jax.parallel.mesh import node_of
-from longt5_jax.plan import candidates, memory_model, targets
+from longt5_jax.plan import candidates, cost, memory_model, targets
 from longt5_jax.plan import planner as plan
 
 GPU = pytest.mark.skipif(
@@ -125,7 +125,7 @@ def test_targets_carry_their_figures(tmp_path):
 def test_the_v100_target_has_its_figures_and_computes_in_float16():
     v100 = targets.load("v100-32gb")
     assert (v100.memory_gib, v100.hbm_gbps, v100.compute_capability) == (32.0, 900.0, "7.0")
-    assert v100.figures == targets.Figures(125.0, 150.0, 12.5, 12.5)
+    assert v100.figures == targets.Figures(125.0, 150.0, 12.5, 12.5, 15.7)
     assert v100.description == "Tesla V100-SXM2-32GB" and v100.is_gpu
     halves = {name: targets.load(name).half_dtype for name in [*targets.names(), "cpu"]}
     assert halves == {
@@ -153,6 +153,25 @@ def test_commands_default_dtype_to_the_targets_half_precision(capsys):
     assert "float16 128/16 attention_kernel=xla on 1 nodes x 8 GPUs, 32 GiB, 125 TFLOP/s" in (
         capsys.readouterr().out
     )
+
+
+def test_a_float32_plan_computes_at_float32s_peak_with_xlas_attention_on_an_a100(capsys):
+    """TF32's dense peak (an A100's 156 TFLOP/s, half its bfloat16 312; an H100's 494.5; a
+    V100's CUDA cores 15.7), unless --peak_tflops says; and `auto` keeps float32 off the kernels
+    on compute capability 8.x (`kernel_base.suits`), not on 9.0."""
+    a100, h100, v100 = (targets.load(n) for n in ("a100-80gb", "h100-80gb", "v100-32gb"))
+    assert [t.figures.peak("float32") for t in (a100, h100, v100)] == [156.0, 494.5, 15.7]
+    assert [t.figures.peak("bfloat16") for t in (a100, h100)] == [312.0, 989.0]
+    args = plan._parser().parse_args(["--target", "a100-80gb", "--dtype", "float32"])
+    assert cost.Cluster.from_args(a100, args).peak_tflops == 156.0
+    args.peak_tflops = 100.0
+    assert cost.Cluster.from_args(a100, args).peak_tflops == 100.0
+    for target, kernel, peak in (("a100-80gb", "xla", 156), ("h100-80gb", "pallas", 494.5)):
+        argv = [*SMALL, "--target", target, "--dtype", "float32", "--compile_top", "0"]
+        assert plan.main(argv) == 0
+        out = capsys.readouterr().out
+        assert f"float32 128/16 attention_kernel={kernel} on 1 nodes x 8 GPUs" in out
+        assert f"GiB, {peak:g} TFLOP/s peak" in out
 
 
 @pytest.mark.parametrize("command", ["cluster", "scaling"])
@@ -289,7 +308,6 @@ def test_the_kernels_memory_keeps_their_outputs_and_no_scores():
 def test_offload_is_a_candidate_dimension_with_its_memory_and_pcie_cost():
     """Offloading moves the optimizer state (and parameters) to the host and charges two PCIe
     crossings of those bytes per step; it never changes what the collectives move."""
-    from longt5_jax.plan import cost
     from longt5_jax.plan.shapes import ModelShapes
     from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 

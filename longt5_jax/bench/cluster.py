@@ -70,7 +70,7 @@ def parser(
     )  # fmt: skip
     p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the pessimistic bound")
     p.add_argument(
-        "--peak_tflops", type=float, help="per GPU, dense half precision (default: the target's)"
+        "--peak_tflops", type=float, help="per GPU, dense, in --dtype (default: the target's)"
     )
     p.add_argument("--hbm_gbps", type=float, help="per GPU (default: the target's)")
     p.add_argument("--intra_node_gbps", type=float, help="per GPU (default: the target's NVLink)")

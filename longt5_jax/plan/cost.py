@@ -45,12 +45,15 @@ class Cluster:
             raise ValueError(f"cluster mfu={self.mfu}: expected a fraction in (0, 1]")
 
     @classmethod
-    def of(cls, target: Target, nodes: int, gpus_per_node: int, **overrides) -> Cluster:
-        """The cluster of `nodes x gpus_per_node` of a target GPU; None overrides are ignored."""
+    def of(
+        cls, target: Target, nodes: int, gpus_per_node: int, dtype: str = "", **overrides
+    ) -> Cluster:
+        """The cluster of `nodes x gpus_per_node` of a target GPU computing in `dtype` (the
+        half-precision peak unless float32); None overrides are ignored."""
         f = target.figures
         fields = dict(
             memory_gib=target.memory_gib,
-            peak_tflops=f.peak_tflops,
+            peak_tflops=f.peak(dtype),
             intra_node_gbps=f.intra_node_gbps,
             inter_node_gbps=f.inter_node_gbps,
             hbm_gbps=target.hbm_gbps,
@@ -61,11 +64,12 @@ class Cluster:
 
     @classmethod
     def from_args(cls, target: Target, args) -> Cluster:
-        """`of` for a command: its --nodes and --gpus_per_node, and whichever of the cluster's
-        figures it has a flag of the same name for (unset flags keep the target's)."""
+        """`of` for a command: its --nodes, --gpus_per_node and --dtype, and whichever of the
+        cluster's figures it has a flag of the same name for (unset flags keep the target's)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"nodes", "gpus_per_node"}
         given = {name: getattr(args, name) for name in names if hasattr(args, name)}
-        return cls.of(target, args.nodes, args.gpus_per_node, **given)
+        dtype = getattr(args, "dtype", "")
+        return cls.of(target, args.nodes, args.gpus_per_node, dtype, **given)
 
     @property
     def devices(self) -> int:

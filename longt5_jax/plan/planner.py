@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     targets.add_cluster_arguments(p, cpu=True)
     p.add_argument("--memory_gib", type=float, help="per GPU (default: the target's)")
     p.add_argument(
-        "--peak_tflops", type=float, help="per GPU, half-precision dense (default: the target's)"
+        "--peak_tflops", type=float, help="per GPU, dense, in --dtype (default: the target's)"
     )
     p.add_argument("--intra_node_gbps", type=float, help="GB/s per GPU (default: NVLink's)")
     p.add_argument("--inter_node_gbps", type=float, help="GB/s per GPU (default: the NIC's)")

@@ -46,16 +46,22 @@ class Figures:
     intra_node_gbps: float  # NVLink
     inter_node_gbps: float  # the GPU's InfiniBand NIC
     host_gbps: float  # PCIe to host memory
+    float32_tflops: float  # dense float32 matmul peak: TF32 tensor cores, a V100's CUDA cores
+
+    def peak(self, dtype: str) -> float:
+        """The dense matmul peak of a step computing in `dtype`."""
+        return self.float32_tflops if dtype == "float32" else self.peak_tflops
 
 
 # By CUDA compute capability major version, from NVIDIA's data sheets. V100 SXM2: 125 TFLOP/s
-# fp16 tensor core, NVLink 2 (300 GB/s both ways), one EDR 100 Gb/s NIC per GPU, PCIe 3 x16.
-# A100: 312 TFLOP/s bf16, NVLink 3 (600 GB/s both ways), one HDR 200 Gb/s NIC per GPU, PCIe 4
-# x16. H100 SXM: 989 TFLOP/s bf16, NVLink 4 (900 GB/s both ways), NDR 400 Gb/s, PCIe 5 x16.
+# fp16 tensor core, 15.7 float32 (no TF32), NVLink 2 (300 GB/s both ways), one EDR 100 Gb/s
+# NIC per GPU, PCIe 3 x16. A100: 312 TFLOP/s bf16, 156 TF32, NVLink 3 (600 GB/s both ways), one
+# HDR 200 Gb/s NIC per GPU, PCIe 4 x16. H100 SXM: 989 TFLOP/s bf16, 494.5 TF32, NVLink 4 (900
+# GB/s both ways), NDR 400 Gb/s, PCIe 5 x16. (Dense: the sheets' sparse figures halved.)
 _FIGURES = {
-    7: Figures(125.0, 150.0, 12.5, 12.5),
-    8: Figures(312.0, 300.0, 25.0, 25.0),
-    9: Figures(989.0, 450.0, 50.0, 50.0),
+    7: Figures(125.0, 150.0, 12.5, 12.5, 15.7),
+    8: Figures(312.0, 300.0, 25.0, 25.0, 156.0),
+    9: Figures(989.0, 450.0, 50.0, 50.0, 494.5),
 }
 
 
