@@ -303,8 +303,7 @@ def test_auto_takes_the_kernels_on_gpus_and_xla_elsewhere():
     """attention_kernel="auto": the train step and the generator make it concrete for their
     mesh's devices (a deviceless H100's: the kernels; an A100's: the kernels but for float32;
     a V100's and this host's CPUs: XLA's attention), the model for the default device where
-    nothing did, and the GPU roofline
-    counts what the kernels rerun."""
+    nothing did, and the GPU roofline counts what the kernels rerun."""
     auto = dataclasses.replace(GPU_CONFIG, attention_kernel="auto")
     h100 = targets.devices(targets.load("h100-80gb"), 1, 1)
     gpu = compile_ahead.sharded_step(auto, ParallelConfig(1, 1, 1, 0), devices=h100, per_node=1)

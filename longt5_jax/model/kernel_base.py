@@ -70,12 +70,18 @@ def suits(compute_capability: str, dtype) -> bool:
     return _major(compute_capability) >= (WIDE_SINCE if wide else KERNELS_SINCE)
 
 
+def resolve(config, compute_capability: str):
+    """`config` with `attention_kernel="auto"` made concrete for a GPU of this compute
+    capability ("" for none): the kernels where they `suits` its dtype."""
+    return config.resolved(suits(compute_capability, config.dtype))
+
+
 def fused(config) -> bool:
     """Whether attention runs the kernels: `attention_kernel="auto"` that nothing made concrete
     for the devices compiled for (the train step and the generator do, for their mesh) is
     made so for the default device."""
     found = str(getattr(jax.devices()[0], "compute_capability", ""))
-    return config.resolved(suits(found, config.dtype)).attention_kernel == "pallas"
+    return resolve(config, found).attention_kernel == "pallas"
 
 
 def pow2(x: int) -> int:

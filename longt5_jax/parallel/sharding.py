@@ -115,7 +115,7 @@ def for_devices(model: nn.Module, mesh: Mesh | AbstractMesh) -> nn.Module:
             f"{found}) cannot run the fused kernels (Triton compiles for 8.0 and newer); use "
             "'auto' or 'xla'"
         )
-    config = model.config.resolved(base.suits(found, model.config.dtype))
+    config = base.resolve(model.config, found)
     return model if config is model.config else model.clone(config=config)
 
 

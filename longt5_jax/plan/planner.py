@@ -26,7 +26,7 @@ import time
 from longt5_jax import cli
 from longt5_jax.errors import RunFault, UsageError
 from longt5_jax.model import LongT5Config
-from longt5_jax.model.kernel_base import runs_on, suits
+from longt5_jax.model.kernel_base import resolve, runs_on
 from longt5_jax.parallel.mesh import OFFLOADS
 from longt5_jax.plan import candidates as cands
 from longt5_jax.plan import compile_ahead, cost, hlo, targets
@@ -91,7 +91,8 @@ def _config(args: argparse.Namespace) -> tuple[LongT5Config, Cluster, targets.Ta
     target = targets.load(args.target)
     config = LongT5Config.preset(
         args.model, args.attention, dtype=args.dtype, attention_kernel=args.attention_kernel
-    ).resolved(suits(target.compute_capability, args.dtype))
+    )
+    config = resolve(config, target.compute_capability)
     if config.attention_kernel == "pallas" and not runs_on(target.compute_capability):
         raise ValueError(
             f"--attention_kernel pallas: the fused kernels compile for GPUs of compute capability "
