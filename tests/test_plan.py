@@ -5,6 +5,7 @@ figures and half precision (float16 on a V100, which has no bfloat16: refused th
 commands and by a run's devices), and place devices on nodes."""
 
 import dataclasses
+import re
 import types
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def test_plan_compiles_the_best_for_the_a100_cluster(capsys):
     assert plan.main(argv) == 0  # default target: 8 nodes x 4 A100-80GB
     out = capsys.readouterr().out
     assert "compiling 1/1" in out and "the GPU buffer assignment" in out
+    # The progress line is whole before the compile (XLA warns on stderr while it runs).
+    assert re.search(r"^compiling 1/1: [^\n]+\n  [\d.]+ GiB/dev, estimated [\d.]+ ", out, re.M)
     assert "8 nodes x 4 GPUs, 80 GiB, 312 TFLOP/s" in out
     best = out.split("best, as gin flags:")[1]
     assert "--gin.ParallelConfig.data=" in best and "--gin.DataConfig.batch_size=64" in best

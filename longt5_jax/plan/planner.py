@@ -227,7 +227,8 @@ def _compile_best(
             break
         if rows and e.memory * scale > limit:
             continue
-        print(f"compiling {len(rows) + 1}/{args.compile_top}: {e.candidate.label()}", end="")
+        # A whole line before the compile: XLA's own warnings (stderr) come while it runs.
+        print(f"compiling {len(rows) + 1}/{args.compile_top}: {e.candidate.label()}", flush=True)
         start = time.perf_counter()
         row = _compile(e, config, lengths, devices, cluster, args.optimizer)
         total = row["memory"].total
