@@ -77,12 +77,12 @@ def test_each_kernels_launch_and_what_it_leaves_of_an_sm():
     assert sass.occupancy({**side, "shared_bytes": 90000}, a100)["programs_per_sm"] == 1
 
 
-def test_launch_settings_parse_with_a_split_and_print_back():
-    text = "encoder_attention_fwd=4:3:2,decoder_attention_dq=8:2:4,*=8:2"
-    want = (("encoder_attention_fwd", 4, 3, 2), ("decoder_attention_dq", 8, 2, 4), ("*", 8, 2))
+def test_launch_settings_parse_with_a_split_and_keys_and_print_back():
+    text = "encoder_attention_fwd=4:3:2,encoder_attention_dkv=8:2:1:32,*=8:2"
+    want = (("encoder_attention_fwd", 4, 3, 2), ("encoder_attention_dkv", 8, 2, 1, 32), ("*", 8, 2))
     assert parse_launch(text) == want
     assert launch_text(parse_launch(text)) == text
-    for bad in ("encoder_*=4:3:3", "*=3:2", "*=8", "*=8:2:1:1"):
+    for bad in ("encoder_*=4:3:3", "*=3:2", "*=8", "*=8:2:1:1", "*=8:2:1:48", "*=8:2:1:32:2"):
         with pytest.raises(argparse.ArgumentTypeError, match="PATTERN=WARPS:STAGES"):
             parse_launch(bad)
 

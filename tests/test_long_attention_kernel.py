@@ -44,11 +44,19 @@ CASES = {
     "local_w32": ("local", 31, 4, 2, 70, 2, False),
     # 40 side keys: one chunk of 64 whole, two of 32 split.
     "tglobal_w32_g40": ("transient-global", 31, 2, 1, 80, 2, False),
+    # W = 64 (key parts of 32) and 37 side keys (one chunk of 64), for KEYS.
+    "tglobal_w64": ("transient-global", 63, 4, 1, 150, 2, False),
 }
 # TGlobal's forward and dq with each query block split into two programs (`Geometry.splits`),
 # and Local's whole (each the other way from its default, `kernel_base.LAUNCH`).
 SPLIT = (("encoder_attention_fwd", 4, 3, 2), ("encoder_attention_dq", 4, 3, 2))
 WHOLE = (("encoder_local_*", 8, 3),)
+# Every TGlobal kernel taking 16 keys a tile (`Geometry.splits`): the forward and dq split too.
+KEYS = (
+    ("encoder_attention_fwd", 4, 3, 2, 16),
+    ("encoder_attention_dq", 4, 3, 2, 16),
+    ("encoder_attention_*", 8, 3, 1, 16),
+)
 # Largest error of the output and of every gradient over the largest value of the XLA path's,
 # float32: measured worst 1.1e-6 over the encoder cases (tglobal_w32_g40 split; 6.4e-7 whole),
 # 1.1e-6 over the decoder's (self_packed).
@@ -63,6 +71,7 @@ TOLERANCE = 2e-6
     + [
         pytest.param("tglobal_w32_packed", SPLIT, id="tglobal_w32_packed-split"),
         pytest.param("tglobal_w32_g40", SPLIT, id="tglobal_w32_g40-split"),
+        pytest.param("tglobal_w64", KEYS, id="tglobal_w64-keys16"),
         pytest.param("local_w32", WHOLE, id="local_w32-whole", marks=pytest.mark.slow),
     ],
 )
@@ -732,6 +741,17 @@ def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_
     assert kernels._best_launch(slower) == ""  # nothing beat the default
     assert kernels._best_launch([{"launch_seconds": {dec: 2.0, tg: 1.0}}]) == tg  # no default
     assert kernels._best_launch([{}]) is None
+    # A setting that sets none of a case's kernels is not timed there (its layer is the first
+    # setting's program) and counts as the first's time.
+    tglobal, decoder = "base:tglobal:16384:2:padded", "base:decoder:4096:2:padded"
+    assert not set_by(dec) & kernels._family(tglobal) and set_by(dec) <= kernels._family(decoder)
+    assert set_by(tg) <= kernels._family(tglobal) and not set_by(tg) & kernels._family(decoder)
+    assert not set_by(local) & kernels._family(tglobal)
+    skipped = [
+        {"launch_seconds": {"": 7.67, tg: 7.40}, "launch": "", "launch_as_first": [dec]},
+        {"launch_seconds": {"": 1.84, dec: 1.60}, "launch": "", "launch_as_first": [tg]},
+    ]
+    assert kernels._best_launch(skipped) == f"{tg},{dec}"
     with pytest.raises(ValueError, match="'encoder_attention_dx' is not one of"):
         base.call(None, "encoder_attention_dx", 0, (1,), [], [], [])
 

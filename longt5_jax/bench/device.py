@@ -80,7 +80,7 @@ def add_launch_argument(p) -> None:
         "--launch",
         type=parse_launch,
         default=(),
-        metavar="PATTERN=WARPS:STAGES[:SPLIT],...",
+        metavar="PATTERN=WARPS:STAGES[:SPLIT[:KEYS]],...",
         help="Triton launch settings of the kernels by kernel name (first match wins)",
     )
 
@@ -117,18 +117,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_launch(text: str) -> tuple[tuple, ...]:
-    """'encoder_attention_fwd=4:3:2,*=4:2' -> ((pattern, warps, stages[, split]), ...)."""
+    """'encoder_attention_fwd=4:3:2,*=4:2' -> ((pattern, warps, stages[, split[, keys]]),
+    ...)."""
     settings = []
     for item in filter(None, text.split(",")):
         pattern, _, numbers = item.partition("=")
         values = numbers.split(":")
-        numeric = len(values) in (2, 3) and all(x.isdigit() for x in values)
+        numeric = len(values) in (2, 3, 4) and all(x.isdigit() for x in values)
         powers = ("1", "2", "4", "8", "16")
-        known = numeric and values[0] in powers and all(x in powers for x in values[2:])
+        known = numeric and values[0] in powers and all(x in powers for x in values[2:3])
+        known = known and all(x in ("16", "32", "64") for x in values[3:])
         if not (pattern and known):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: expected PATTERN=WARPS:STAGES[:SPLIT] (warps and split 1, 2, 4, 8 "
-                "or 16)"
+                f"{item!r}: expected PATTERN=WARPS:STAGES[:SPLIT[:KEYS]] (warps and split 1, 2, "
+                "4, 8 or 16; keys a tile 16, 32 or 64)"
             )
         settings.append((pattern, *map(int, values)))
     return tuple(settings)

@@ -135,7 +135,10 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 # 4k, the layer 1.95 -> 1.78 ms); TGlobal's fit two, the same 8 warps, and ran 1.178 -> 1.257
 # and 1.176 -> 1.279 ms (base 16k). The decoder's dkv in 4 warps, one warpgroup issuing each 64 x
 # 64 product where 8 warps split it in two: on an H200 0.256-0.262 -> 0.116 ms (base decoder 4k
-# x 2, self- and cross-attention; the layer's kernels 0.893 -> 0.753 ms), the same bytes.
+# x 2, self- and cross-attention; the layer's kernels 0.893 -> 0.753 ms), the same bytes. An
+# optional fifth number caps the keys an encoder kernel takes a tile (local parts and side
+# chunks; `Geometry.splits`): at 32 keys and 2 stages TGlobal's dq, dkv and local bias gradient
+# fit two programs of 8 warps an SM where one did (ptxas, base 16k); not yet timed.
 LAUNCH: tuple[tuple, ...] = (
     ("encoder_local_attention_fwd", 4, 3, 2),
     ("encoder_local_attention_dq", 4, 3, 2),
@@ -159,9 +162,9 @@ _LAUNCH: contextvars.ContextVar = contextvars.ContextVar("kernel_launch", defaul
 
 
 def launch(settings: tuple[tuple, ...]):
-    """Kernels traced inside this launch with `settings` ((pattern, warps, stages[, split]),
-    first match wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels` tries
-    others."""
+    """Kernels traced inside this launch with `settings` ((pattern, warps, stages[, split[,
+    keys]]), first match wins; names no pattern matches keep `LAUNCH`'s): how `bench kernels`
+    tries others."""
     return _bound(_LAUNCH, tuple(settings) + LAUNCH)
 
 
@@ -193,6 +196,13 @@ def split_of(name: str) -> int:
     fourth number; 1 if none)."""
     setting = _setting(name)
     return setting[3] if len(setting) > 3 else 1
+
+
+def keys_of(name: str) -> int:
+    """At most how many keys encoder kernel `name` takes a tile (its launch setting's fifth
+    number; 0 if none: the geometry's own, `long_attention_tiles.Geometry.splits`)."""
+    setting = _setting(name)
+    return setting[4] if len(setting) > 4 else 0
 
 
 def _setting(name: str) -> tuple:

@@ -158,7 +158,18 @@ def backward(geo: tiles.Geometry, res, do):
         (geo.batch, geo.heads, geo.n * dq_geo.split), specs, query, base.out(q.shape, q.dtype, q),
     )(*arrays)  # fmt: skip
 
-    # One program per part of a key block.
+    # Each kernel in its own geometry (`Geometry.splits`: the keys a tile takes, as launched).
+    local = (q, k, v, seg, bias, lse, delta, do, drop)
+    dk, dv = _dkv(geo.splits(geo.kernel("dkv")), *local)
+    dbias = _dbias(geo.splits(geo.kernel("dbias")), *local)
+    d_side = (None,) * 3
+    if geo.g:
+        d_side = _side_backward(geo.splits(geo.kernel("dside")), q, do, lse, delta, gq, side, drop)
+    return dq, dk, dv, dbias, d_side
+
+
+def _dkv(geo: tiles.Geometry, q, k, v, seg, bias, lse, delta, do, drop):
+    """Local dk, dv: one program per part of a key block."""
     per = geo.parts
     per_query = [
         [tiles.tile(geo, 1 - c, per=per)] * 2
@@ -180,10 +191,14 @@ def backward(geo: tiles.Geometry, res, do):
         [part, part],
         [base.out(k.shape, k.dtype, q), base.out(v.shape, v.dtype, q)],
     )(*arrays)
+    return dk, dv
 
+
+def _dbias(geo: tiles.Geometry, q, k, v, seg, bias, lse, delta, do, drop):
+    """The local bias gradient, [H, W, 3W]."""
     specs = [base.whole()] * 7 + [pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))]
     specs, arrays = tiles.with_drop(geo, specs, [q, k, v, do, lse, delta, seg, bias], drop)
-    dbias = base.call(
+    return base.call(
         functools.partial(_dbias_kernel, geo),
         geo.kernel("dbias"),
         geo.flops(2, 0),
@@ -192,10 +207,6 @@ def backward(geo: tiles.Geometry, res, do):
         pl.BlockSpec((None, None, geo.w, 3 * geo.w), lambda h, i: (h, i, 0, 0)),
         base.out((geo.heads, geo.n // geo.rb, geo.w, 3 * geo.w), jnp.float32, q),
     )(*arrays).sum(1)
-    d_side = (None,) * 3
-    if geo.g:
-        d_side = _side_backward(geo, q, do, lse, delta, gq, side, drop)
-    return dq, dk, dv, dbias, d_side
 
 
 def _side_backward(geo: tiles.Geometry, q, do, lse, delta, gq, side: tiles.Side, drop):

@@ -41,6 +41,7 @@ class Geometry:
     c: int  # side keys per chunk
     u: int  # one-hot rows for the side bias gradient
     kb: int  # keys per chunk of a local key block (W / kb chunks a block)
+    gp: int  # side keys padded to whole chunks of the call's widest C (0: none)
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
     split: int = 1  # programs a query block of the forward and dq (`splits`), each qw rows
 
@@ -82,10 +83,6 @@ class Geometry:
         n, h = self.n, self.heads
         return next((r for r in (8, 4, 2) if n % r == 0 and h * n // r >= DBIAS_PROGRAMS), 1)
 
-    @property
-    def gp(self) -> int:
-        return -(-self.g // self.c) * self.c if self.g else 0
-
     def flops(self, local_matmuls: int, side_matmuls: int) -> int:
         """Tensor-core FLOPs of a kernel doing these [qw, K] x [K, keys] matmuls per part of a
         query block (the local keys it does not skip, `beyond`)."""
@@ -111,11 +108,19 @@ class Geometry:
         an H100 (`kernel_base.LAUNCH`): Local's gain (three an SM), TGlobal's did not (two an
         SM, taking 64 side keys at a time). A split program takes side keys 32 at a time:
         TGlobal's dq then fits three an SM (158 registers, against 174 with 64; its forward
-        178, two an SM; ptxas, sm_90a, base 16k). Not yet timed."""
+        178, two an SM; ptxas, sm_90a, base 16k). Not yet timed. Then the keys a tile takes are
+        capped as the launch says (`kernel_base.keys_of`, tiles of 16 keys or more): fewer
+        registers a thread, more programs an SM, more instructions a key."""
         split = base.split_of(name)
         if split == 1 or self.w % split or self.w // split != self.kb or self.kb < 16:
-            return dataclasses.replace(self, split=1)
-        return dataclasses.replace(self, split=split, c=min(self.c, 32))
+            geo = dataclasses.replace(self, split=1)
+        else:
+            geo = dataclasses.replace(self, split=split, c=min(self.c, 32))
+        keys = base.keys_of(name)
+        kb = keys if 16 <= keys < geo.kb and self.w % keys == 0 else geo.kb
+        # Any power of two below C divides the padded side keys (whole chunks of C).
+        c = keys if 16 <= keys < geo.c and keys & (keys - 1) == 0 else geo.c
+        return dataclasses.replace(geo, kb=kb, c=c)
 
 
 def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
@@ -129,7 +134,7 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
     # holds (at W = 128 with [W, W] tiles every kernel used all 255 registers and spilled;
     # ptxas, sm_90a).
     kb = w // 2 if w % 2 == 0 and w >= 32 else w
-    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, rate)
+    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, -(-g // c) * c, rate)
 
 
 DBIAS_PROGRAMS = 256
