@@ -7,6 +7,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from longt5_jax.bench.device import parse_launch
+from longt5_jax.model import kernel_base
+
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "gpu_check.sh"
 SPLIT = "decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4"
 GOALS = "base:16384:2:save_attention xl:4096:1:save_dots"
@@ -49,6 +52,13 @@ def test_a_lease_times_the_kernels_then_a_full_batch_then_each_goal_with_the_fas
     asked, log = _dry_run(tmp_path, best=SPLIT, CASES=f"{GOALS} base:4096:4:none")
     kernels = asked[0]
     assert kernels[0] == "kernels" and kernels[3] == ""  # the default is the one checked
+    # Every setting the lease tries parses, and each sets some kernel (a bad one would cost the
+    # lease its whole kernels step).
+    calls = (tmp_path / "calls").read_text().splitlines()
+    words = shlex.split(next(line for line in calls if "longt5_jax.bench kernels" in line))
+    settings = words[words.index("--launch") + 2 :]  # after the default, ""
+    assert len(settings) >= 4 and "encoder_attention_dq=8:2:1:32" in settings
+    assert all(kernel_base.kernels_set_by(parse_launch(s)) for s in settings)
     steps = [a for a in asked if a[0] == "device"]
     base, xl = GOALS.split()
     assert steps == [
