@@ -57,7 +57,7 @@ def test_a_lease_times_the_kernels_then_a_full_batch_then_each_goal_with_the_fas
     calls = (tmp_path / "calls").read_text().splitlines()
     words = shlex.split(next(line for line in calls if "longt5_jax.bench kernels" in line))
     settings = words[words.index("--launch") + 2 :]  # after the default, ""
-    assert len(settings) >= 4 and "encoder_attention_dq=8:2:1:32" in settings
+    assert len(settings) >= 4 and "encoder_attention_fwd=8:2:1:64" in settings
     assert all(kernel_base.kernels_set_by(parse_launch(s)) for s in settings)
     steps = [a for a in asked if a[0] == "device"]
     base, xl = GOALS.split()

@@ -136,9 +136,9 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 # and 1.176 -> 1.279 ms (base 16k). The decoder's dkv in 4 warps, one warpgroup issuing each 64 x
 # 64 product where 8 warps split it in two: on an H200 0.256-0.262 -> 0.116 ms (base decoder 4k
 # x 2, self- and cross-attention; the layer's kernels 0.893 -> 0.753 ms), the same bytes. An
-# optional fifth number caps the keys an encoder kernel takes a tile (local parts and side
-# chunks; `Geometry.splits`): at 32 keys and 2 stages TGlobal's dq, dkv and local bias gradient
-# fit two programs of 8 warps an SM where one did (ptxas, base 16k); not yet timed.
+# optional fifth number caps an encoder kernel's keys a tile and loops the forward's and dq's
+# local keys (`Geometry.splits`): in 2 stages TGlobal's forward (64 keys), dq, dkv and local
+# bias gradient (32) fit two programs of 8 warps an SM where one did (ptxas); not yet timed.
 LAUNCH: tuple[tuple, ...] = (
     ("encoder_local_attention_fwd", 4, 3, 2),
     ("encoder_local_attention_dq", 4, 3, 2),

@@ -31,16 +31,12 @@ def _dq_kernel(geo: tiles.Geometry, *refs):
         ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta, scale)
         return base.dot(ds.astype(k.dtype), k)
 
+    def local(dq, s, k, v, keys):
+        return dq + grad(keys, s, k, v)
+
     dq = jnp.zeros((geo.qw, geo.head_dim), jnp.float32)
-    for c, part in geo.local_chunks:
-
-        def local(dq, c=c, part=part):
-            block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-            keys = tiles.local_key_ids(geo, n, c, part)
-            s, k, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
-            return dq + grad(keys, s, k, v)
-
-        dq = tiles.local_pass(geo, c, part, half, local, dq)
+    local_refs = (k_refs, v_refs, sk_refs, bias_ref)
+    dq = tiles.local_keys(geo, n, b, h, half, local_refs, q, seg_q, local, dq)
     if geo.g:
         side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
 

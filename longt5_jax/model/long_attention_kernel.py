@@ -57,16 +57,14 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
         jnp.zeros((geo.qw,), jnp.float32),
         jnp.zeros((geo.qw, geo.head_dim), jnp.float32),
     )
-    for c, part in geo.local_chunks:
 
-        def local(state, c=c, part=part):
-            block_refs = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-            s, _, v = tiles.local_chunk(geo, q, n, c, part, seg_q, *block_refs)
-            keys = tiles.local_key_ids(geo, n, c, part)
-            scale = base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
-            return base.online(state, s, None, v, scale)
+    def local(state, s, _, v, keys):
+        return base.online(
+            state, s, None, v, base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+        )
 
-        state = tiles.local_pass(geo, c, part, half, local, state)
+    local_refs = (k_refs, v_refs, sk_refs, bias_ref)
+    state = tiles.local_keys(geo, n, b, h, half, local_refs, q, seg_q, local, state)
     if geo.g:
         side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
 

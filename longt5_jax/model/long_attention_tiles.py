@@ -44,6 +44,7 @@ class Geometry:
     gp: int  # side keys padded to whole chunks of the call's widest C (0: none)
     rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
     split: int = 1  # programs a query block of the forward and dq (`splits`), each qw rows
+    looped: bool = False  # the forward's and dq's local keys in a loop (`local_keys`)
 
     @property
     def parts(self) -> int:
@@ -108,9 +109,10 @@ class Geometry:
         an H100 (`kernel_base.LAUNCH`): Local's gain (three an SM), TGlobal's did not (two an
         SM, taking 64 side keys at a time). A split program takes side keys 32 at a time:
         TGlobal's dq then fits three an SM (158 registers, against 174 with 64; its forward
-        178, two an SM; ptxas, sm_90a, base 16k). Not yet timed. Then the keys a tile takes are
-        capped as the launch says (`kernel_base.keys_of`, tiles of 16 keys or more): fewer
-        registers a thread, more programs an SM, more instructions a key."""
+        178, two an SM; ptxas, sm_90a, base 16k). Not yet timed. Where the launch gives the keys
+        a tile (`kernel_base.keys_of`), they are capped so (tiles of 16 keys or more: fewer
+        registers a thread, more programs an SM, more instructions a key) and the local keys
+        are taken in a loop (`local_keys`)."""
         split = base.split_of(name)
         if split == 1 or self.w % split or self.w // split != self.kb or self.kb < 16:
             geo = dataclasses.replace(self, split=1)
@@ -120,7 +122,7 @@ class Geometry:
         kb = keys if 16 <= keys < geo.kb and self.w % keys == 0 else geo.kb
         # Any power of two below C divides the padded side keys (whole chunks of C).
         c = keys if 16 <= keys < geo.c and keys & (keys - 1) == 0 else geo.c
-        return dataclasses.replace(geo, kb=kb, c=c)
+        return dataclasses.replace(geo, kb=kb, c=c, looped=bool(keys))
 
 
 def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
@@ -310,11 +312,13 @@ def side_key_ids(geo: Geometry, j):
 
 def local_inputs(geo: Geometry, q, k, v, seg, bias):
     """In-specs and arrays of the local part, for grid (b, h, n) over the parts of query blocks
-    (`Geometry.split` a block)."""
+    (`Geometry.split` a block); looped, the keys' whole arrays (the first of each three read)."""
     qw, per = geo.qw, geo.split
-    specs = [tile(geo, rows=qw)] + [tile(geo, s - 1, per=per) for s in range(3)] * 2
-    specs += [row(geo, rows=qw)] + [row(geo, s - 1, per=per) for s in range(3)]
-    specs += [bias_spec(geo, rows=qw)]
+    keys = [tile(geo, s - 1, per=per) for s in range(3)]
+    rows = [row(geo, s - 1, per=per) for s in range(3)]
+    if geo.looped:
+        keys = rows = [base.whole()] * 3
+    specs = [tile(geo, rows=qw), *keys, *keys, row(geo, rows=qw), *rows, bias_spec(geo, rows=qw)]
     return specs, [q, k, k, k, v, v, v, seg, seg, seg, seg, bias]
 
 
@@ -331,6 +335,36 @@ def local_pass(geo: Geometry, c: int, part: int, half, fn, state):
         return fn(state)
     skipped = functools.reduce(operator.or_, [half == s for s in skip])
     return jax.lax.cond(skipped, lambda s: s, fn, state)
+
+
+def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
+    """fn(state, scores, keys, values, key ids) over each local chunk of query block n (of
+    `refs`: the key, value and key segment refs of `local_inputs`, then the bias'). Unrolled,
+    each chunk reads its key block's tile and a split program skips the chunks beyond it;
+    looped (`Geometry.looped`), one chunk an iteration from the whole arrays, none skipped: the
+    unrolled chunks' loads, issued early, held the forward's registers at 156 where its side
+    loop needs 122 (ptxas, sm_90a, base TGlobal); looped in 2 stages, 125: two programs an SM."""
+    k_refs, v_refs, sk_refs, bias_ref = refs
+    if not geo.looped:
+        for c, part in geo.local_chunks:
+
+            def one(state, c=c, part=part):
+                block = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
+                s, k, v = local_chunk(geo, q, n, c, part, seg_q, *block)
+                return fn(state, s, k, v, local_key_ids(geo, n, c, part))
+
+            state = local_pass(geo, c, part, half, one, state)
+        return state
+
+    def step(i, state):  # lax's div and rem: jnp's floor division does not lower to Triton
+        c, part = jax.lax.div(i, geo.parts), jax.lax.rem(i, geo.parts)
+        keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
+        k, v = k_refs[0][b, keys, h, :], v_refs[0][b, keys, h, :]
+        s = base.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
+        s = local_masked(geo, s, n, c, part, seg_q, sk_refs[0][b, keys])
+        return fn(state, s, k, v, local_key_ids(geo, n, c, part))
+
+    return jax.lax.fori_loop(0, 3 * geo.parts, step, state)
 
 
 def side_inputs(geo: Geometry, side: Side, gq):
