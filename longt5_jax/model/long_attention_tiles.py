@@ -262,15 +262,6 @@ def local_bias(geo: Geometry, bias_ref, c, part):
     return bias_ref[:, local_columns(geo, c, part)]
 
 
-def local_chunk(geo: Geometry, q, n, c, part, seg_q, k_ref, v_ref, sk_ref, bias_ref):
-    """(biased and masked scores, keys, values) of query block n against part `part` of its key
-    block n - 1 + c."""
-    keys = pl.ds(part * geo.kb, geo.kb)
-    k = k_ref[keys, :]
-    s = base.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
-    return local_masked(geo, s, n, c, part, seg_q, sk_ref[keys]), k, v_ref[keys, :]
-
-
 def side_chunk(geo: Geometry, q, j, b, h, rows: SideRows, side_refs):
     """(biased and masked scores, keys, values) of a query block against side keys chunk j."""
     sk_ref, sv_ref, _, gseg_ref, sbias_ref = side_refs
@@ -339,19 +330,26 @@ def local_pass(geo: Geometry, c: int, part: int, half, fn, state):
 
 def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
     """fn(state, scores, keys, values, key ids) over each local chunk of query block n (of
-    `refs`: the key, value and key segment refs of `local_inputs`, then the bias'). Unrolled,
-    each chunk reads its key block's tile and a split program skips the chunks beyond it;
-    looped (`Geometry.looped`), one chunk an iteration from the whole arrays, none skipped: the
-    unrolled chunks' loads, issued early, held the forward's registers at 156 where its side
-    loop needs 122 (ptxas, sm_90a, base TGlobal); looped in 2 stages, 125: two programs an SM."""
+    `refs`: the key, value and key segment refs of `local_inputs`, then the bias'), the scores
+    biased and masked. Unrolled, each chunk reads its key block's tile and a split program
+    skips the chunks beyond it; looped (`Geometry.looped`), one chunk an iteration from the
+    whole arrays, none skipped: the unrolled chunks' loads, issued early, held the forward's
+    registers at 156 where its side loop needs 122 (ptxas, sm_90a, base TGlobal); looped in 2
+    stages, 125: two programs an SM."""
     k_refs, v_refs, sk_refs, bias_ref = refs
+
+    def chunk(state, c, part, load):  # load(refs): the chunk's keys of one of the three
+        k = load(k_refs)
+        s = base.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
+        s = local_masked(geo, s, n, c, part, seg_q, load(sk_refs))
+        return fn(state, s, k, load(v_refs), local_key_ids(geo, n, c, part))
+
     if not geo.looped:
         for c, part in geo.local_chunks:
 
-            def one(state, c=c, part=part):
-                block = (k_refs[c], v_refs[c], sk_refs[c], bias_ref)
-                s, k, v = local_chunk(geo, q, n, c, part, seg_q, *block)
-                return fn(state, s, k, v, local_key_ids(geo, n, c, part))
+            def one(state, c=c, part=part):  # loaded inside: a skipped chunk loads nothing
+                keys = pl.ds(part * geo.kb, geo.kb)
+                return chunk(state, c, part, lambda refs: refs[c][keys])
 
             state = local_pass(geo, c, part, half, one, state)
         return state
@@ -359,10 +357,11 @@ def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
     def step(i, state):  # lax's div and rem: jnp's floor division does not lower to Triton
         c, part = jax.lax.div(i, geo.parts), jax.lax.rem(i, geo.parts)
         keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
-        k, v = k_refs[0][b, keys, h, :], v_refs[0][b, keys, h, :]
-        s = base.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
-        s = local_masked(geo, s, n, c, part, seg_q, sk_refs[0][b, keys])
-        return fn(state, s, k, v, local_key_ids(geo, n, c, part))
+
+        def load(refs):  # from the whole arrays: [B, L, H, K] keys and values, [B, L] segments
+            return refs[0][b, keys] if refs is sk_refs else refs[0][b, keys, h]
+
+        return chunk(state, c, part, load)
 
     return jax.lax.fori_loop(0, 3 * geo.parts, step, state)
 
