@@ -2,8 +2,8 @@
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
 # dependencies importable, within BUDGET seconds (default 540), most informative first (device
 # time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
-# picks and orders the sections (default "kernels fill launch adafactor xla train profile rest
-# transformers unrolled"):
+# picks and orders the sections (default "kernels fill launch headroom adafactor xla train profile
+# rest transformers unrolled"):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
 #     float32 and bfloat16; the default launch checked), each kernel's time, registers and
 #     occupancy (--trace), the layer's time and kernels under each launch setting of LAUNCHES
@@ -18,6 +18,9 @@
 #   launch: each goal case's step with the default launch (if not yet measured), then with the
 #     best of `kernels` (if that is not the default): every setting of LAUNCHES that made the
 #     layers faster than the default, together where they set different kernels;
+#   headroom: the encoder's kernels beside jax's own flash attention (Pallas Triton, and Mosaic
+#     GPU's warp-specialised FlashAttention-3) at the same FLOPs, each forward and backward:
+#     what holds the kernels, Triton or ours (`bench headroom`);
 #   adafactor: the goal cases with the best launch, updated by Adafactor (the training loop's
 #     default, LongT5's T5X setup; every other step is AdamW's, as the field's MFU figures are):
 #     deviceless, xl 4k save_dots 274 -> 249 GB a step, roofline MFU 38.3% -> 41.2%;
@@ -140,6 +143,10 @@ step_launch() {
     [ -n "$best" ] && device "$case" pallas:launch "$best"
   done
 }
+step_headroom() {
+  section "bench headroom"
+  run 90 python3 -m longt5_jax.bench headroom --out_dir "$out"
+}
 step_fill() { for case in $fill; do device "$case" pallas:fill "$best"; done; }
 step_adafactor() { for case in $goals; do device "$case" pallas:adafactor "$best"; done; }
 step_unrolled() { for case in $goals; do device "$case" pallas:unrolled "$best"; done; }
@@ -178,7 +185,7 @@ step_transformers() {
     --transformers --attention_kernel pallas --launch "$best" --autotune_cache "$out/autotune" \
     --out_dir "$out/transformers" --cases "$first"
 }
-for step in ${STEPS:-kernels fill launch adafactor xla train profile rest transformers unrolled}; do
+for step in ${STEPS:-kernels fill launch headroom adafactor xla train profile rest transformers unrolled}; do
   "step_$step"
 done
 section "done"

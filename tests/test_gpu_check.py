@@ -80,6 +80,10 @@ def test_a_lease_times_the_kernels_then_a_full_batch_then_each_goal_with_the_fas
         ("device", xl, "pallas", SPLIT, "unrolled"),
     ]
     assert [a[:2] for a in asked if a[0] == "profile"] == [("profile", "base")]
+    # Beside jax's own flash attention once, after the goal cases' launch step.
+    benches = [a[0] for a in asked]
+    assert benches.count("headroom") == 1
+    assert benches.index("headroom") == benches.index("device") + 6
     assert "skipped" not in log
     # The trainer as users run it, once, after XLA's goal cases: the run file's "auto".
     calls = (tmp_path / "calls").read_text().splitlines()

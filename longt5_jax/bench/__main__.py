@@ -1,5 +1,5 @@
-"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, kernels, memory,
-offload, pipeline, profile, roofline, sass, scaling, speed, strategy.
+"""python -m longt5_jax.bench NAME [options]: cluster, data, decode, device, headroom, kernels,
+memory, offload, pipeline, profile, roofline, sass, scaling, speed, strategy.
 
 Each benchmark takes --help.
 """
@@ -12,6 +12,7 @@ from longt5_jax.bench import (
     data,
     decode,
     device,
+    headroom,
     kernels,
     memory,
     offload,
@@ -30,6 +31,7 @@ BENCHMARKS = {
     "data": data.main,
     "decode": decode.main,
     "device": device.main,
+    "headroom": headroom.main,
     "kernels": kernels.main,
     "memory": memory.main,
     "offload": offload.main,

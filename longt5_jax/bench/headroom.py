@@ -1,0 +1,201 @@
+"""The encoder's attention kernels against flash attention written by others, at the same FLOPs.
+
+How fast could the encoder's attention run on this GPU? Each query of a case (`bench kernels`'
+MODEL:tglobal|local:LENGTH:BATCH, padded rows) meets 3W local keys and G side keys (W the block
+length, G = LENGTH / the global block, TGlobal only): plain bidirectional attention over rows of
+KEYS = 3W + G tokens, as many rows as the case has queries (round(BATCH LENGTH / KEYS)), does
+the same matmuls within 4% (base TGlobal 16k x 2: 23 rows of 1,408, 1.2% fewer). Timed by the
+device's own timeline (the profiler's trace, after a warm-up), bfloat16:
+- ours: the case's layer forward and backward with the kernels, their kernels' time (forward:
+  the forward kernel; forward and backward: every kernel of the family, without XLA's sums of
+  the bias tables' gradients or the projections);
+- triton: jax's Pallas Triton flash attention (`ops.gpu.attention.mha`, its default blocks), the
+  backend ours are written for, without a bias, window or side keys;
+- mosaic: jax's Mosaic GPU FlashAttention-3 (`ops.gpu.attention_mgpu`: a producer warpgroup
+  feeding two consumers through TMA and barriers; Hopper only), in float16 (jax 0.10's bfloat16
+  mixes dtypes in its second matmul; the tensor cores' rate is the same).
+Each row: forward, and forward + backward, in ms and TFLOP/s (of its own problem's matmuls:
+forward 4 rows H KEYS^2 K, backward 2.5 times that). Where a reference is as slow as ours, the
+backend is what holds ours; where it is faster, the gap is what ours could still gain there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
+
+from longt5_jax import cli
+from longt5_jax.bench import kernels
+from longt5_jax.bench.report import write_json
+from longt5_jax.errors import UsageError
+from longt5_jax.model import LongT5Config
+from longt5_jax.plan import compile_ahead, targets
+
+CASES = ["base:tglobal:16384:2", "xl:local:4096:1"]
+BACKWARD = 2.5  # the backward's matmuls over the forward's (FlashAttention-2: 5 against 2)
+NO_GPU = "bench headroom times kernels on a GPU; this process has none"
+
+
+def problem(case: str) -> dict:
+    """The case's shape and its plain attention's: keys a query, rows of that many tokens."""
+    model, kind, length, batch = _parse(case)
+    config = LongT5Config.preset(model, kind)
+    w = config.block_len
+    side = length // config.global_block_size if kind == "tglobal" else 0
+    keys = 3 * w + side
+    rows = max(1, round(batch * length / keys))
+    heads, head_dim = config.num_heads, config.d_kv
+    return {
+        "case": case, "heads": heads, "head_dim": head_dim, "keys": keys, "rows": rows,
+        "ours_gflop": 4 * batch * length * keys * heads * head_dim / 1e9,
+        "gflop": 4 * rows * keys * keys * heads * head_dim / 1e9,
+    }  # fmt: skip
+
+
+def _parse(case: str) -> tuple[str, str, int, int]:
+    parts = case.split(":")
+    if (
+        len(parts) != 4
+        or parts[1] not in ("tglobal", "local")
+        or not all(p.isdigit() for p in parts[2:])
+    ):
+        raise UsageError(f"--cases {case!r}: expected MODEL:tglobal|local:LENGTH:BATCH")
+    try:
+        LongT5Config.preset(parts[0])
+    except ValueError as e:
+        raise UsageError(f"--cases {case!r}: {e}") from None
+    return parts[0], parts[1], int(parts[2]), int(parts[3])
+
+
+def references(interpret: bool = False) -> dict:
+    """{name: (dtype, attention(q, k, v))} of the kernels to time beside ours (`interpret`: the
+    Triton one interpreted, which runs on a CPU; Mosaic GPU's has no interpreted form here)."""
+    triton = functools.partial(attention.mha, segment_ids=None, interpret=interpret)
+    if interpret:
+        return {"triton": (jnp.float32, triton)}
+    fa3 = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2,
+        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
+    )  # fmt: skip
+    return {
+        "triton": (jnp.bfloat16, triton),
+        "mosaic": (jnp.float16, functools.partial(attention_mgpu.attention, config=fa3)),
+    }
+
+
+def _programs(attend):
+    """(forward, forward and backward) of attend(q, k, v), jitted: the second takes the
+    output's cotangent too."""
+    forward = jax.jit(attend)
+
+    def both(q, k, v, do):
+        return jax.vjp(attend, q, k, v)[1](do)
+
+    return forward, jax.jit(both)
+
+
+def compiled(case: str, target: str) -> dict[str, str]:
+    """{reference: its forward and backward's custom calls} compiled without a GPU for `target`
+    (a plan target): the lease's references build before it spends device time on them."""
+    spec = targets.load(target)
+    device = targets.devices(spec, 1, 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    shape = problem(case)
+    dims = (shape["rows"], shape["keys"], shape["heads"], shape["head_dim"])
+    calls = {}
+    for name, (dtype, attend) in references().items():
+        arg = jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
+        with targets.tracing_for([device]), compile_ahead._persistent_cache(False):
+            text = _programs(attend)[1].lower(arg, arg, arg, arg).compile().as_text()
+        calls[name] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+    return calls
+
+
+def _ms(run) -> float:
+    """Device milliseconds of every kernel of one run()."""
+    return sum(k["ms"] for k in kernels._kernel_times(run))
+
+
+def measure(case: str) -> dict:
+    shape = problem(case)
+    report = {**shape, "device": jax.devices()[0].device_kind}
+    model, kind, length, batch = _parse(case)
+    config, layer = kernels.case_problem(f"{model}:{kind}:{length}:{batch}:padded")
+    pallas = dataclasses.replace(config, attention_kernel="pallas")
+    traced = kernels._kernel_times(lambda: kernels.run_layer(pallas, *layer, "bfloat16"))
+    family = kernels._family(f"{model}:{kind}:{length}:{batch}:padded")
+    ours = {k["kernel"]: k["ms"] for k in traced if k["kernel"] in family}
+    report["ours"] = _timing(
+        shape["ours_gflop"], next(v for n, v in ours.items() if n.endswith("_fwd")), ours
+    )
+    for name, (dtype, attend) in references().items():
+        try:
+            report[name] = _reference(shape, dtype, attend)
+        except Exception as e:  # a reference this GPU or jax cannot run (Mosaic: Hopper only)
+            report[name] = {"error": str(e).splitlines()[0][:300]}
+    return report
+
+
+def _reference(shape: dict, dtype, attend) -> dict:
+    dims = (shape["rows"], shape["keys"], shape["heads"], shape["head_dim"])
+    q, k, v, do = (
+        jax.random.normal(jax.random.key(i), dims, jnp.float32).astype(dtype) for i in range(4)
+    )
+    forward, both = _programs(attend)
+    forward_ms = _ms(lambda: jax.block_until_ready(forward(q, k, v)))
+    both_ms = _ms(lambda: jax.block_until_ready(both(q, k, v, do)))
+    return _timing(shape["gflop"], forward_ms, {"all": both_ms})
+
+
+def _timing(gflop: float, forward_ms: float, kernels_ms: dict) -> dict:
+    total = sum(kernels_ms.values())
+    return {
+        "forward_ms": forward_ms, "both_ms": total, "kernels_ms": kernels_ms,
+        "forward_tflops": gflop / forward_ms, "both_tflops": gflop * (1 + BACKWARD) / total,
+    }  # fmt: skip
+
+
+def _print(report: dict) -> None:
+    print(
+        f"{report['case']} on {report['device']}: {report['keys']} keys a query, plain attention "
+        f"as {report['rows']} rows ({report['gflop']:.0f} GFLOP forward, ours "
+        f"{report['ours_gflop']:.0f})"
+    )
+    for name in ("ours", "triton", "mosaic"):
+        row = report.get(name, {})
+        if "error" in row:
+            print(f"  {name:<7} {row['error']}")
+        else:
+            print(
+                f"  {name:<7} forward {row['forward_ms']:7.3f} ms {row['forward_tflops']:6.1f} "
+                f"TFLOP/s   forward+backward {row['both_ms']:7.3f} ms "
+                f"{row['both_tflops']:6.1f} TFLOP/s"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    p = cli.ArgumentParser(
+        prog="python -m longt5_jax.bench headroom", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--cases", nargs="+", default=CASES, help=" ".join(CASES))
+    p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    args = p.parse_args(argv)
+    for case in args.cases:
+        _parse(case)
+    if jax.default_backend() != "gpu":
+        raise UsageError(NO_GPU)
+    reports = []
+    for case in args.cases:
+        reports.append(measure(case))
+        _print(reports[-1])
+        write_json(args.out_dir, "headroom", {"config": vars(args), "cases": reports})
+    return 0
