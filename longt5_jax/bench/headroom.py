@@ -78,14 +78,17 @@ def references(interpret: bool = False) -> dict:
     triton = functools.partial(attention.mha, segment_ids=None, interpret=interpret)
     if interpret:
         return {"triton": (jnp.float32, triton)}
-    fa3 = attention_mgpu.TuningConfig(
+    return {"triton": (jnp.bfloat16, triton), "mosaic": (jnp.float16, _flash_attention_3)}
+
+
+def _flash_attention_3(q, k, v):
+    # Its settings are made as it is traced: a jax whose TuningConfig differs fails this
+    # reference alone (`measure` reports it), not the others.
+    config = attention_mgpu.TuningConfig(
         block_q=64, block_kv=128, max_concurrent_steps=2,
         block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,
     )  # fmt: skip
-    return {
-        "triton": (jnp.bfloat16, triton),
-        "mosaic": (jnp.float16, functools.partial(attention_mgpu.attention, config=fa3)),
-    }
+    return attention_mgpu.attention(q, k, v, config=config)
 
 
 def _programs(attend):
@@ -118,27 +121,40 @@ def compiled(case: str, target: str) -> dict[str, str]:
 
 def _ms(run) -> float:
     """Device milliseconds of every kernel of one run()."""
-    return sum(k["ms"] for k in kernels._kernel_times(run))
+    ms = sum(k["ms"] for k in kernels._kernel_times(run))
+    if not ms:
+        raise ValueError("the device's trace holds no kernel")
+    return ms
 
 
 def measure(case: str) -> dict:
     shape = problem(case)
     report = {**shape, "device": jax.devices()[0].device_kind}
+    timings = {"ours": functools.partial(_ours, case, shape)}
+    timings.update(
+        {n: functools.partial(_reference, shape, *ref) for n, ref in references().items()}
+    )
+    for name, timing in timings.items():
+        try:
+            report[name] = timing()
+        except Exception as e:  # one this GPU or jax cannot run (Mosaic GPU's: Hopper only)
+            report[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    return report
+
+
+def _ours(case: str, shape: dict) -> dict:
+    """The case's layer forward and backward in bfloat16 with the kernels: its kernels' time."""
     model, kind, length, batch = _parse(case)
-    config, layer = kernels.case_problem(f"{model}:{kind}:{length}:{batch}:padded")
+    layer_case = f"{model}:{kind}:{length}:{batch}:padded"
+    config, layer = kernels.case_problem(layer_case)
     pallas = dataclasses.replace(config, attention_kernel="pallas")
     traced = kernels._kernel_times(lambda: kernels.run_layer(pallas, *layer, "bfloat16"))
-    family = kernels._family(f"{model}:{kind}:{length}:{batch}:padded")
+    family = kernels._family(layer_case)
     ours = {k["kernel"]: k["ms"] for k in traced if k["kernel"] in family}
-    report["ours"] = _timing(
-        shape["ours_gflop"], next(v for n, v in ours.items() if n.endswith("_fwd")), ours
-    )
-    for name, (dtype, attend) in references().items():
-        try:
-            report[name] = _reference(shape, dtype, attend)
-        except Exception as e:  # a reference this GPU or jax cannot run (Mosaic: Hopper only)
-            report[name] = {"error": str(e).splitlines()[0][:300]}
-    return report
+    forward = [ms for name, ms in ours.items() if name.endswith("_fwd")]
+    if not forward:
+        raise ValueError(f"the device's trace holds no forward kernel of {sorted(family)}")
+    return _timing(shape["ours_gflop"], forward[0], ours)
 
 
 def _reference(shape: dict, dtype, attend) -> dict:
