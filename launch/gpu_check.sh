@@ -59,9 +59,11 @@ kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed
 # base 16k): the forward with its local keys in a loop, 2 stages (156 -> 125 registers, its side
 # loop's instructions unchanged); dq, dkv and the local bias gradient taking 32 keys a tile (dq
 # looped too; 166 / 254 / 232 -> 121 / 105 / 128 registers), for 25-40% more instructions a key.
+# The forward also in 4 warps, looped at 32 keys: three programs of 4 warps an SM (166 registers,
+# 48 KiB), 12 warps where the first gives 16, each program's own barriers apart from the others'.
 # Each setting runs only on the case whose kernels it sets.
 fill="${FILL:-xl:4096:8:save_attention xl:4096:4:save_dots}"
-launches="${LAUNCHES:-encoder_attention_fwd=8:2:1:64 encoder_attention_dq=8:2:1:32 encoder_attention_dkv=8:3:1:32 encoder_attention_dbias=8:2:1:32 decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 decoder_attention_dq=4:2 decoder_attention_dbias=4:2}"
+launches="${LAUNCHES:-encoder_attention_fwd=8:2:1:64 encoder_attention_fwd=4:2:1:32 encoder_attention_dq=8:2:1:32 encoder_attention_dkv=8:3:1:32 encoder_attention_dbias=8:2:1:32 decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 decoder_attention_dq=4:2 decoder_attention_dbias=4:2}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
 mkdir -p "$out"
