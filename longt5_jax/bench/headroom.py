@@ -127,7 +127,9 @@ def _ms(run) -> float:
     return ms
 
 
-def measure(case: str) -> dict:
+def measure(case: str, done=lambda report: None) -> dict:
+    """The case's report, `done(report)` after each kernel's timing: a reference that brings the
+    process down (a new jax's Mosaic GPU) leaves what was timed before it."""
     shape = problem(case)
     report = {**shape, "device": jax.devices()[0].device_kind}
     timings = {"ours": functools.partial(_ours, case, shape)}
@@ -139,6 +141,7 @@ def measure(case: str) -> dict:
             report[name] = timing()
         except Exception as e:  # one this GPU or jax cannot run (Mosaic GPU's: Hopper only)
             report[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        done(report)
     return report
 
 
@@ -210,8 +213,11 @@ def _main(argv: list[str]) -> int:
     if jax.default_backend() != "gpu":
         raise UsageError(NO_GPU)
     reports = []
+
+    def save(report):
+        write_json(args.out_dir, "headroom", {"config": vars(args), "cases": [*reports, report]})
+
     for case in args.cases:
-        reports.append(measure(case))
+        reports.append(measure(case, save))
         _print(reports[-1])
-        write_json(args.out_dir, "headroom", {"config": vars(args), "cases": reports})
     return 0
