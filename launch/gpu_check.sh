@@ -2,8 +2,8 @@
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
 # dependencies importable, within BUDGET seconds (default 540), most informative first (device
 # time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
-# picks and orders the sections (default "kernels fill launch headroom adafactor xla train profile
-# rest transformers unrolled"):
+# picks and orders the sections (default "kernels launch headroom fill adafactor xla train profile
+# rest transformers unrolled": what no lease has measured first, then what one has):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
 #     float32 and bfloat16; the default launch checked), each kernel's time, registers and
 #     occupancy (--trace), the layer's time and kernels under each launch setting of LAUNCHES
@@ -187,7 +187,7 @@ step_transformers() {
     --transformers --attention_kernel pallas --launch "$best" --autotune_cache "$out/autotune" \
     --out_dir "$out/transformers" --cases "$first"
 }
-for step in ${STEPS:-kernels fill launch headroom adafactor xla train profile rest transformers unrolled}; do
+for step in ${STEPS:-kernels launch headroom fill adafactor xla train profile rest transformers unrolled}; do
   "step_$step"
 done
 section "done"
