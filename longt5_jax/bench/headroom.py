@@ -7,8 +7,9 @@ KEYS = 3W + G tokens, as many rows as the case has queries (round(BATCH LENGTH /
 the same matmuls within 4% (base TGlobal 16k x 2: 23 rows of 1,408, 1.2% fewer). Timed by the
 device's own timeline (the profiler's trace, after a warm-up), bfloat16:
 - ours: the case's layer forward and backward with the kernels, their kernels' time (forward:
-  the forward kernel; forward and backward: every kernel of the family, without XLA's sums of
-  the bias tables' gradients or the projections);
+  the forward kernel; forward and backward: every kernel of the family, without the XLA ops
+  around them: the projections, the backward's row sums of do o, the bias tables' gradients'
+  sums; the references' counts hold every kernel of theirs, row sums included);
 - triton: jax's Pallas Triton flash attention (`ops.gpu.attention.mha`, its default blocks), the
   backend ours are written for, without a bias, window or side keys;
 - mosaic: jax's Mosaic GPU FlashAttention-3 (`ops.gpu.attention_mgpu`: a producer warpgroup
