@@ -768,9 +768,9 @@ def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_
     # A setting that sets none of a case's kernels is not timed there (its layer is the first
     # setting's program) and counts as the first's time.
     tglobal, decoder = "base:tglobal:16384:2:padded", "base:decoder:4096:2:padded"
-    assert not set_by(dec) & kernels._family(tglobal) and set_by(dec) <= kernels._family(decoder)
-    assert set_by(tg) <= kernels._family(tglobal) and not set_by(tg) & kernels._family(decoder)
-    assert not set_by(local) & kernels._family(tglobal)
+    assert not set_by(dec) & kernels.family(tglobal) and set_by(dec) <= kernels.family(decoder)
+    assert set_by(tg) <= kernels.family(tglobal) and not set_by(tg) & kernels.family(decoder)
+    assert not set_by(local) & kernels.family(tglobal)
     skipped = [
         {"launch_seconds": {"": 7.67, tg: 7.40}, "launch": "", "launch_as_first": [dec]},
         {"launch_seconds": {"": 1.84, dec: 1.60}, "launch": "", "launch_as_first": [tg]},

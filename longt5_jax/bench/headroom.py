@@ -107,22 +107,19 @@ def compiled(case: str, target: str) -> dict[str, str]:
     """{reference: its forward and backward's custom calls} compiled without a GPU for `target`
     (a plan target): the lease's references build before it spends device time on them."""
     spec = targets.load(target)
-    device = targets.devices(spec, 1, 1)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
     shape = problem(case)
     dims = (shape["rows"], shape["keys"], shape["heads"], shape["head_dim"])
     calls = {}
     for name, (dtype, attend) in references().items():
-        arg = jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
-        with targets.tracing_for([device]), compile_ahead._persistent_cache(False):
-            text = _programs(attend)[1].lower(arg, arg, arg, arg).compile().as_text()
+        arg = jax.ShapeDtypeStruct(dims, dtype)
+        text = compile_ahead.compile_on_one(_programs(attend)[1], [arg] * 4, spec).as_text()
         calls[name] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
     return calls
 
 
 def _ms(run) -> float:
     """Device milliseconds of every kernel of one run()."""
-    ms = sum(k["ms"] for k in kernels._kernel_times(run))
+    ms = sum(k["ms"] for k in kernels.kernel_times(run))
     if not ms:
         raise ValueError("the device's trace holds no kernel")
     return ms
@@ -152,8 +149,8 @@ def _ours(case: str, shape: dict) -> dict:
     layer_case = f"{model}:{kind}:{length}:{batch}:padded"
     config, layer = kernels.case_problem(layer_case)
     pallas = dataclasses.replace(config, attention_kernel="pallas")
-    traced = kernels._kernel_times(lambda: kernels.run_layer(pallas, *layer, "bfloat16"))
-    family = kernels._family(layer_case)
+    traced = kernels.kernel_times(lambda: kernels.run_layer(pallas, *layer, "bfloat16"))
+    family = kernels.family(layer_case)
     ours = {k["kernel"]: k["ms"] for k in traced if k["kernel"] in family}
     forward = [ms for name, ms in ours.items() if name.endswith("_fwd")]
     if not forward:

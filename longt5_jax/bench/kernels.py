@@ -241,7 +241,7 @@ def _time(run, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def _kernel_times(run, runs: int = 3) -> list[dict]:
+def kernel_times(run, runs: int = 3) -> list[dict]:
     """The device's kernels over `runs` calls of run() (after a warm-up), per call."""
     run()
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -272,7 +272,7 @@ def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False
             )
     if trace:
         for name, config in (("xla", xla), ("pallas", pallas)):
-            report[f"{name}_kernels"] = _kernel_times(
+            report[f"{name}_kernels"] = kernel_times(
                 lambda c=config: run_layer(c, *problem, "bfloat16", first)
             )
     if repeats and len(launches) > 1:
@@ -280,7 +280,7 @@ def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False
         if trace:
             report["launch_kernels"] = {}
         for launch in launches:  # one setting none of the case's kernels: the first's program
-            if launch != first and not base.kernels_set_by(launch) & _family(case):
+            if launch != first and not base.kernels_set_by(launch) & family(case):
                 report.setdefault("launch_as_first", []).append(launch_text(launch))
                 continue
             run = functools.partial(run_layer, pallas, *problem, "bfloat16", launch)
@@ -291,7 +291,7 @@ def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False
                 continue
             report["launch_seconds"][launch_text(launch)] = seconds
             if trace and launch != first:  # the first's kernels are pallas_kernels
-                report["launch_kernels"][launch_text(launch)] = _kernel_times(run)
+                report["launch_kernels"][launch_text(launch)] = kernel_times(run)
     return report
 
 
@@ -394,7 +394,7 @@ def _layer_seconds(report: dict) -> dict[str, float]:
     return {**seconds, **dict.fromkeys(report.get("launch_as_first", []) if first else [], first)}
 
 
-def _family(case: str) -> set[str]:
+def family(case: str) -> set[str]:
     """The kernels a case's layer calls (`kernel_base.KERNELS`)."""
     start = {"tglobal": "encoder_attention_", "local": "encoder_local_attention_"}
     return {k for k in base.KERNELS if k.startswith(start.get(parse_case(case)[1], "decoder_"))}

@@ -174,20 +174,15 @@ def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> 
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
     config, kind, inputs = kernels.in_dtype(pallas, inputs, dtype)
     spec = targets.load(target)
-    device = targets.devices(spec, 1, 1)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    args = (params, inputs, cotangent, inputs["x"])
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
-    )
     # sm_90a: Hopper's warpgroup matmuls (Triton's, on an H100) are in the "a" variant only.
     arch = "sm_" + spec.compute_capability.replace(".", "")
     arch += "a" if arch == "sm_90" else ""
-    with tempfile.TemporaryDirectory() as tmp, compile_ahead._persistent_cache(False):
+    with tempfile.TemporaryDirectory() as tmp:
         grad = kernels.layer_loss_grad(config, kind, launch)
+        args = (params, inputs, cotangent, inputs["x"])
         # Users' matmul precision (the tests ask for "highest").
-        with jax.default_matmul_precision("default"), targets.tracing_for([device]):
-            grad.lower(*abstract).compile(compiler_options=xla_options.dump_options(tmp))
+        with jax.default_matmul_precision("default"):
+            compile_ahead.compile_on_one(grad, args, spec, xla_options.dump_options(tmp))
         kernels_ptx = []
         for path in Path(tmp).glob("*.ptx"):
             entry = re.search(r"\.entry\s+(\w+?)(?:_flops_(\d+))?\(", path.read_text())

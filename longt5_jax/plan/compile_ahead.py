@@ -28,7 +28,7 @@ import optax
 from longt5_jax.data.batching import FEATURES
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig, compile_only, make_mesh, node_of
-from longt5_jax.plan import cost, hlo, hlo_module, roofline
+from longt5_jax.plan import cost, hlo, hlo_module, roofline, targets
 from longt5_jax.training.step import Batch, ShardedStep, StepConfig
 
 
@@ -134,6 +134,19 @@ def _persistent_cache(enabled: bool):
         yield
     finally:
         jax.config.update(option, before)
+
+
+def compile_on_one(fn, args, target: targets.Target, compiler_options: dict | None = None):
+    """Jitted `fn` compiled for one device of `target` at the shapes of `args` (arrays or
+    ShapeDtypeStructs), without that device: the executable, never written to jax's
+    persistent cache (`_persistent_cache`)."""
+    device = targets.devices(target, 1, 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
+    )
+    with _persistent_cache(False), targets.tracing_for([device]):
+        return fn.lower(*abstract).compile(compiler_options=compiler_options)
 
 
 @dataclasses.dataclass
