@@ -565,7 +565,8 @@ DECODER_CASES = {
     "cross_packed": (3, 18, 70, 2, False, True),
     "self_two_tiles": (2, 70, 70, 2, True, False),  # two key tiles of 64 (the last padded)
 }
-# The decoder's forward and dq with each query tile's keys split in two programs (`Tiles.split`).
+# The decoder's forward and dq with each query tile's keys split in two programs (`Tiles.split`;
+# cross-attention only, where the keys outnumber the queries).
 KEY_SPLIT = (("decoder_attention_fwd", 4, 2, 2), ("decoder_attention_dq", 8, 2, 2))
 
 
@@ -574,7 +575,7 @@ KEY_SPLIT = (("decoder_attention_fwd", 4, 2, 2), ("decoder_attention_dq", 8, 2, 
     [pytest.param(case, (), 0.0, id=case) for case in sorted(DECODER_CASES)]
     + [
         pytest.param("cross_packed", KEY_SPLIT, 0.0, id="cross_packed-split"),
-        pytest.param("self_two_tiles", KEY_SPLIT, 0.3, id="self_two_tiles-split-dropout"),
+        pytest.param("cross_packed", KEY_SPLIT, 0.3, id="cross_packed-split-dropout"),
     ],
 )
 def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
@@ -704,7 +705,8 @@ def test_launch_settings_reach_the_triton_calls():
 @pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
 def test_a_key_split_reaches_the_triton_grid():
     """The decoder's forward split in 4 runs 4 programs a query tile in the Triton call a GPU
-    compiles; a split that does not divide the key tiles (8 of 4) is not made."""
+    compiles; a split that does not divide the key tiles (8 of 4) is not made, nor one of a
+    self-attention (as many keys as queries)."""
     q, k = jnp.zeros((1, 64, 2, 16), jnp.bfloat16), jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
     mask = jnp.ones((1, 1, 256), bool)
 
@@ -716,6 +718,12 @@ def test_a_key_split_reaches_the_triton_grid():
     assert grids(()) == [1, 1]  # forward and dq (q's gradient only) over one query tile
     assert grids(split) == [4, 2]
     assert grids((("decoder_attention_*", 8, 2, 8),)) == [1, 1]
+    self_mask = jnp.ones((1, 256, 256), bool)  # keys as many as queries: k as q
+
+    def self_grids(launch):
+        return re.findall(r"grid_z = (\d+) : i32", _lowered_for_a_gpu(launch, k, self_mask))
+
+    assert self_grids(split) == self_grids(()) == ["4"] * 3  # fwd, dq, dkv: 4 tiles each
 
 
 def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_kernels():

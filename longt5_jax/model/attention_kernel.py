@@ -50,9 +50,13 @@ class Tiles:
         targets the forward and dq run B x H x 8 programs (192 at base 16k) where an H100's 132
         SMs hold 2-4 each (0.4-0.7 waves, `bench sass`), each looping over every key tile (256
         over 16k encoder tokens). The parts' outputs are combined outside (`_combine`, a sum
-        for dq), from [P, ...] float32 arrays: more bytes, so off until a GPU times it."""
+        for dq), from [P, ...] float32 arrays: more bytes, so off until a GPU times it. Only
+        where the keys outnumber the queries (cross-attention over a longer input): those
+        bytes grow with the queries, the work a program saves with the keys, and a
+        self-attention's grid grows with its keys (`bench roofline`: half the split's bytes)."""
         parts = base.split_of(name)
-        return dataclasses.replace(self, parts=parts if (self.s // self.tk) % parts == 0 else 1)
+        split = self.s > self.t and (self.s // self.tk) % parts == 0
+        return dataclasses.replace(self, parts=parts if split else 1)
 
     def key_tiles(self, part) -> tuple:
         """The first and the end key tile of `part` (a program id)."""

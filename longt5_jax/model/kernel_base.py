@@ -129,7 +129,7 @@ def call(kernel, name: str, flops: int, grid, in_specs, out_specs, out_shape):
 # 10.1 ms at base 16k); the decoder's 64 x 64 tiles ran fastest as they were (1.46 ms against
 # 1.81 with 8:3). An optional fourth number splits the work of a program of the forward and dq
 # into that many (1 if not given): the encoder's query blocks (`long_attention_tiles.Geometry.
-# splits`, in two), the decoder's keys (`attention_kernel.Tiles.split`, not yet timed). The
+# splits`, in two), the decoder's cross-attention keys (`attention_kernel.Tiles.split`). The
 # encoder's query blocks in two programs of 4 warps: three of Local's fit an SM where one of 8
 # did (registers), and its forward and dq ran 0.134 -> 0.096 and 0.142 -> 0.095 ms (xl Local
 # 4k, the layer 1.95 -> 1.78 ms); TGlobal's fit two, the same 8 warps, and ran 1.178 -> 1.257
