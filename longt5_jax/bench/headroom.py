@@ -58,6 +58,11 @@ def problem(case: str) -> dict:
     }  # fmt: skip
 
 
+def _dims(shape: dict) -> tuple[int, int, int, int]:
+    """The plain attention's q, k, v and output shape: [rows, keys, heads, head_dim]."""
+    return shape["rows"], shape["keys"], shape["heads"], shape["head_dim"]
+
+
 def _parse(case: str) -> tuple[str, str, int, int]:
     parts = case.split(":")
     if (
@@ -107,8 +112,7 @@ def compiled(case: str, target: str) -> dict[str, str]:
     """{reference: its forward and backward's custom calls} compiled without a GPU for `target`
     (a plan target): the lease's references build before it spends device time on them."""
     spec = targets.load(target)
-    shape = problem(case)
-    dims = (shape["rows"], shape["keys"], shape["heads"], shape["head_dim"])
+    dims = _dims(problem(case))
     calls = {}
     for name, (dtype, attend) in references().items():
         arg = jax.ShapeDtypeStruct(dims, dtype)
@@ -159,9 +163,9 @@ def _ours(case: str, shape: dict) -> dict:
 
 
 def _reference(shape: dict, dtype, attend) -> dict:
-    dims = (shape["rows"], shape["keys"], shape["heads"], shape["head_dim"])
     q, k, v, do = (
-        jax.random.normal(jax.random.key(i), dims, jnp.float32).astype(dtype) for i in range(4)
+        jax.random.normal(jax.random.key(i), _dims(shape), jnp.float32).astype(dtype)
+        for i in range(4)
     )
     forward, both = _programs(attend)
     forward_ms = _ms(lambda: jax.block_until_ready(forward(q, k, v)))
