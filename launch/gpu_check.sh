@@ -2,7 +2,7 @@
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
 # dependencies importable, within BUDGET seconds (default 540), most informative first (device
 # time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
-# picks and orders the sections (default "kernels launch headroom fill adafactor xla train profile
+# picks and orders the sections (default "kernels launch headroom profile fill adafactor xla train
 # rest transformers unrolled": what no lease has measured first, then what one has):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
 #     float32 and bfloat16; the default launch checked), each kernel's time, registers and
@@ -28,7 +28,9 @@
 #   train: the trainer as users run it (the pretraining run file, whose attention_kernel "auto"
 #     its first line resolves, base TGlobal on the embedded papers, 4096 -> 910, 8 a batch,
 #     Adafactor): the whole loop's tokens/s and MFU, data and checkpoint included;
-#   profile: a profiler trace of each case of PROFILE (the first goal case), kernel by kernel;
+#   profile: a profiler trace of each case of PROFILE (the first goal case), kernel by kernel and
+#     by kind (the Pallas kernels, the matmuls, the rest: what `bench roofline --goal_mfu` asks
+#     of each; base 16k's step has not been broken down since its kernels changed);
 #   rest: the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
 #     remat; then XLA);
 #   transformers: transformers' step on the first case;
@@ -187,7 +189,7 @@ step_transformers() {
     --transformers --attention_kernel pallas --launch "$best" --autotune_cache "$out/autotune" \
     --out_dir "$out/transformers" --cases "$first"
 }
-for step in ${STEPS:-kernels launch headroom fill adafactor xla train profile rest transformers unrolled}; do
+for step in ${STEPS:-kernels launch headroom profile fill adafactor xla train rest transformers unrolled}; do
   "step_$step"
 done
 section "done"

@@ -58,6 +58,17 @@ def positive(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
 def out_dir(text: str) -> str:
     """An output directory that is one or can be made, checked before any work (a benchmark
     would find out after minutes of it)."""

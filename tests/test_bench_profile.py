@@ -79,10 +79,30 @@ def test_the_devices_kernels_are_read_by_name_with_their_launch():
     rows = profile.device_kernels(trace, runs=2)
     assert [r["kernel"] for r in rows] == ["encoder_attention_fwd", "loop_add_fusion"]
     assert rows[0] == {
-        "kernel": "encoder_attention_fwd", "ms": 1.4, "calls": 1.0, "regs": 209,
-        "shared": 139776, "occupancy": 12.5,
+        "kernel": "encoder_attention_fwd", "kind": "pallas", "ms": 1.4, "calls": 1.0,
+        "regs": 209, "shared": 139776, "occupancy": 12.5,
     }  # fmt: skip
-    assert rows[1] == {"kernel": "loop_add_fusion", "ms": 0.1, "calls": 0.5}
+    assert rows[1] == {"kernel": "loop_add_fusion", "kind": "other", "ms": 0.1, "calls": 0.5}
+    assert profile.by_kind(rows) == {"pallas": 1.4, "matmul": 0.0, "other": 0.1}
+
+
+@pytest.mark.parametrize(
+    "kernel, kind",
+    [
+        ("encoder_attention_dside", "pallas"),
+        ("encoder_local_attention_fwd", "pallas"),
+        ("decoder_attention_dkv", "pallas"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "matmul"),  # cuBLAS on an H100
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+        ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "matmul"),
+        ("gemm_fusion_dot_142", "matmul"),  # XLA's Triton GEMM
+        ("loop_multiply_fusion_9", "other"),
+        ("input_reduce_fusion_24", "other"),
+        ("encoder_attention_fwd_like_but_not", "other"),  # not one of kernel_base.KERNELS
+    ],
+)
+def test_a_devices_kernel_is_sorted_into_the_roofline_s_kinds(kernel, kind):
+    assert profile.kind_of(kernel) == kind
 
 
 @pytest.mark.slow

@@ -122,6 +122,11 @@ def test_a_triton_call_costs_its_operands_results_and_declared_flops():
     assert toy.compute_s == pytest.approx(65536 / peak) and toy.memory_s == 8192 / hbm
     assert by_op["undeclared"].fast_flops == 0.0 and by_op["undeclared"].bytes == 8192
     assert roofline.roofline(module, peak, hbm).flops == 65536.0
+    # Both are Pallas calls by kind, declared FLOPs or not; nothing else does arithmetic.
+    kinds = roofline.by_kind(roofline.kernels(module, peak, hbm))
+    assert {k.kind for k in calls} == {"pallas"} and kinds["pallas"].kernels == 2
+    assert (kinds["pallas"].flops, kinds["pallas"].bytes) == (65536.0, 2 * 8192)
+    assert kinds["matmul"].flops == kinds["other"].flops == 0.0
 
 
 @pytest.mark.parametrize(
@@ -179,6 +184,7 @@ def test_the_report_groups_kernels_and_compares_with_an_earlier_one(tmp_path, ca
     row = {"case": CASE, "roofline": {"bytes": 1e6, "seconds": 1e-5}, "mfu": 0.25}
     before.write_text(json.dumps({"config": {}, "rows": [row, {"case": "other:1:1"}]}))
     argv = ["--cases", CASE, "--target_length", "16", "--top", "5", "--out_dir", str(out)]
+    argv += ["--goal_mfu", "0.5", "--matmul_tflops", "1"]  # a rate that makes them compute-bound
     assert bench.main([*argv, "--compare", str(before)]) == 0  # one compile, in a child process
     stdout = capsys.readouterr().out
     written = json.loads((out / "roofline.json").read_text())
@@ -194,6 +200,22 @@ def test_the_report_groups_kernels_and_compares_with_an_earlier_one(tmp_path, ca
     assert sum(g["bytes"] for g in groups) == pytest.approx(total["bytes"], rel=1e-9)
     assert sum(g["share"] for g in groups) == pytest.approx(1.0)
     assert [g["seconds"] for g in groups] == sorted((g["seconds"] for g in groups), reverse=True)
+    # Every kernel in exactly one kind: XLA's attention, so no Pallas call; the dots' FLOPs are
+    # the matmuls'. The goal: its step time, the matmuls at the rate asked (slower than at the
+    # peak), and what that leaves the Pallas kernels.
+    kinds = row["kinds"]
+    for field in ("kernels", "bytes", "seconds", "flops"):
+        assert sum(k[field] for k in kinds.values()) == pytest.approx(total[field], rel=1e-9)
+    assert kinds["pallas"]["kernels"] == 0 and kinds["matmul"]["kernels"] > 10
+    assert kinds["matmul"]["flops"] == total["flops"] and kinds["other"]["flops"] == 0
+    goal = row["goal"]
+    assert goal["seconds"] == pytest.approx(row["ideal_s"] / 0.5) and goal["matmul_tflops"] == 1
+    assert goal["matmul_s"] >= max(kinds["matmul"]["seconds"], kinds["matmul"]["flops"] / 1e12)
+    assert goal["matmul_s"] > kinds["matmul"]["seconds"]
+    left = goal["seconds"] - goal["matmul_s"] - kinds["other"]["seconds"]
+    assert goal["pallas_tflops"] == bench.rate_needed(0.0, left) / 1e12
+    kind_line = next(x for x in stdout.splitlines() if x.startswith(CASE) and " at 1 " in x)
+    assert f"{goal['seconds'] * 1e3:8.1f}" in kind_line
     # The encoder's attention einsums sit in the encoder attention group, in all three passes.
     einsums = {(g["direction"], g["part"]) for g in groups if g["op"] == "bhnwk,bhgk->bhnwg"}
     assert {d for d, _ in einsums} == {"fwd", "bwd", "remat"}
@@ -213,6 +235,14 @@ def test_the_report_groups_kernels_and_compares_with_an_earlier_one(tmp_path, ca
     assert f"{change['bytes']['ratio']:6.3f}" in line and f"{row['mfu']:6.1%}" in line
 
 
+def test_the_goal_leaves_the_pallas_kernels_what_the_rest_does_not_take():
+    # base 16k x 2 on an H200 (deviceless): 79.2 ms at 35% MFU, less the matmuls at the 8192^3
+    # matmul's measured 635 TFLOP/s (41.0 ms) and the rest at bandwidth (13.8 ms), for 11.2 TFLOP.
+    assert bench.rate_needed(11.2e12, 79.2e-3 - 41.0e-3 - 13.8e-3) == pytest.approx(459e12, 1e-3)
+    assert bench.rate_needed(0.0, 1e-3) == 0.0
+    assert bench.rate_needed(1e12, 0.0) == bench.rate_needed(1e12, -1e-3) == float("inf")
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
@@ -221,6 +251,8 @@ def test_the_report_groups_kernels_and_compares_with_an_earlier_one(tmp_path, ca
         (["--target", "v100"], "--target 'v100'"),
         (["--target", "cpu"], "bench roofline costs GPU kernels"),
         (["--top", "0"], "argument --top: expected an integer >= 1"),
+        (["--goal_mfu", "0"], "argument --goal_mfu: expected a number in (0, 1], got 0.0"),
+        (["--goal_mfu", "35"], "argument --goal_mfu: expected a number in (0, 1], got 35.0"),
         (["--compare", "{d}/missing.json"], "missing.json: No such file or directory"),
         (["--compare", "{d}/not_a_report.json"], "not a report of bench roofline"),
     ],

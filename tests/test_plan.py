@@ -134,12 +134,29 @@ def test_the_v100_target_has_its_figures_and_computes_in_float16():
     assert halves == {
         "a100-80gb": "bfloat16",
         "h100-80gb": "bfloat16",
+        "h200-141gb": "bfloat16",
         "v100-32gb": "float16",
         "cpu": "bfloat16",
     }
     assert v100.dtype(None) == "float16" and v100.dtype("float32") == "float32"
     with pytest.raises(ValueError, match="has no bfloat16"):
         v100.dtype("bfloat16")
+
+
+def test_the_h200_target_is_the_h100s_chip_with_its_memory():
+    """The GPU the measured steps ran on: every field XLA is told as the H100's but the HBM's
+    size and bandwidth (the data sheet's 4.8 TB/s; 143,771 MiB as its driver reports)."""
+    h100, h200 = targets.load("h100-80gb"), targets.load("h200-141gb")
+    assert (h200.hbm_gbps, h200.memory_gib * 2**10) == (4800.0, 143_771.0)
+    assert (h200.figures, h200.compute_capability) == (h100.figures, h100.compute_capability)
+    assert h200.description == "NVIDIA H200"
+    differ = ("memory_bandwidth", "device_memory_size", "device_description_str")
+
+    def fields(target):
+        lines = (x.strip() for x in target.spec.splitlines() if not x.startswith("#"))
+        return [x for x in lines if not x.startswith(differ)]
+
+    assert fields(h200) == fields(h100)
 
 
 def test_commands_default_dtype_to_the_targets_half_precision(capsys):
@@ -243,6 +260,7 @@ def test_gpu_specs_ship_with_the_package():
     assert sorted(p.name for p in targets.SPECS.glob(pattern.split("/")[-1])) == [
         "a100-80gb.txtpb",
         "h100-80gb.txtpb",
+        "h200-141gb.txtpb",
         "v100-32gb.txtpb",
     ]
     assert (targets.SPECS.parent / pattern.split("/")[0]) == targets.SPECS

@@ -5,7 +5,10 @@ concurrently on its threads, so each op's wall time is shared among the ops runn
 instant: the rows then sum to the step's busy time, and the rest of the step is idle (the gaps
 between ops). Each op is named by the model path in its HLO metadata (encoder or decoder, the
 layer's module) and its kind (a matmul fusion or anything else), and the top ops are listed with
-their output shapes, so a slow step points at the tensors that make it slow.
+their output shapes, so a slow step points at the tensors that make it slow. On a GPU the
+device's own timeline also gives each kernel by name (registers, shared memory, occupancy) and
+the step's time by kind, as `bench roofline` sorts the compiled program's kernels: the Pallas
+attention kernels, the matmuls, the rest.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from longt5_jax.errors import RunFault
 from longt5_jax.model import LongT5Config
 from longt5_jax.model import kernel_base as base
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.plan import hlo_module
+from longt5_jax.plan import hlo_module, roofline
 
 _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
+# A GPU's matmul kernels by name: cuBLAS's (nvjet on Hopper, the xmma, cutlass and sm80 kernels
+# before it), cuDNN's, and XLA's Triton GEMM fusions (`gemm_fusion_dot_12`).
+_GPU_MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|cudnn|s16816|s1688", re.IGNORECASE)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -110,7 +116,24 @@ def device_kernels(trace: dict, runs: int = 1) -> list[dict]:
             calls[name] += 1
             launch.setdefault(name, _launch_details(e.get("args") or {}))
     rows = sorted(ms.items(), key=lambda kv: -kv[1])
-    return [{"kernel": n, "ms": v, "calls": calls[n] / runs, **launch[n]} for n, v in rows]
+    return [
+        {"kernel": n, "kind": kind_of(n), "ms": v, "calls": calls[n] / runs, **launch[n]}
+        for n, v in rows
+    ]
+
+
+def kind_of(kernel: str) -> str:
+    """Which of `plan.roofline.KINDS_OF_KERNEL` a kernel on the GPU's timeline is, by its name
+    (its declared FLOPs dropped), as the roofline sorts the compiled program's: ours (a name of
+    `kernel_base.KERNELS`), a matmul (cuBLAS's, cuDNN's or XLA's Triton GEMM), or the rest."""
+    if kernel in base.KERNELS:
+        return "pallas"
+    return "matmul" if _GPU_MATMUL.search(kernel) else "other"
+
+
+def by_kind(rows: list[dict]) -> dict[str, float]:
+    """Milliseconds per run of `device_kernels` rows, summed by kind (all kinds, in order)."""
+    return {k: sum(r["ms"] for r in rows if r["kind"] == k) for k in roofline.KINDS_OF_KERNEL}
 
 
 def _launch_details(args: dict) -> dict:
@@ -207,6 +230,8 @@ def _print(report: dict) -> None:
         print(f"{r['ms']:>9.1f} {r['calls']:>5}  {r['op']:<30} {r['shape']:<34} {r['path'][-70:]}")
     print("\nkernels on the device's timeline:")
     print_kernels(report["kernels"], len(report["kernels"]))
+    if report["kinds"]:
+        print("by kind (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in report["kinds"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,8 +265,12 @@ def _main(argv: list[str]) -> int:
         },
         "step_s": seconds,
         "breakdown": breakdown(trace, step.compiled.as_text(), args.top),
-        "kernels": device_kernels(trace)[: args.top],
     }
+    kernels = device_kernels(trace)
+    # As `bench roofline` sorts the compiled step (whose `--goal_mfu` arithmetic these measure);
+    # a CPU's timeline has no kernels.
+    report["kinds"] = by_kind(kernels) if kernels else {}
+    report["kernels"] = kernels[: args.top]
     _print(report)
     write_json(out, "profile", report)
     # The program the trace ran, so the breakdown can be redone or read further.

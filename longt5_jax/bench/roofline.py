@@ -17,7 +17,12 @@ reported as:
   spec for an einsum's dot, the primitive otherwise, the kernel's name for a Pallas call), and
   marked fwd, bwd (under `transpose`), remat (the forward recomputed for the backward) or `-`
   (outside the differentiated function, e.g. the optimizer's update, or no metadata at all: a
-  kernel the compiler made, named by its instruction).
+  kernel the compiler made, named by its instruction);
+- the kernels by kind (`plan.roofline.KINDS_OF_KERNEL`: the Pallas attention kernels, matmuls,
+  the memory-bound rest), in the terms `bench profile` sorts a GPU's timeline into, beside the
+  time a step may take at `--goal_mfu`, and the rate the Pallas kernels would need for that goal
+  if the matmuls ran at `--matmul_tflops` (by default the peak; a GPU's measured rate is lower)
+  and the rest at the HBM bandwidth: what a goal asks of the kernels, everything else at best.
 
 `--compare BEFORE.json` prints the change against an earlier report of this command.
 """
@@ -67,6 +72,14 @@ def _parser() -> cli.ArgumentParser:
     p.add_argument("--top", type=cli.positive, default=10, help="groups listed per case")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")
+    p.add_argument(
+        "--goal_mfu", type=cli.fraction, default=0.35,
+        help="the MFU whose step time the kinds are set beside (default 0.35)",
+    )  # fmt: skip
+    p.add_argument(
+        "--matmul_tflops", type=float,
+        help="the matmuls' rate for the goal's arithmetic (default: the target's peak)",
+    )  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -116,6 +129,12 @@ def groups(kernels: list, total_s: float) -> list[dict]:
     return rows
 
 
+def rate_needed(flops_: float, seconds: float) -> float:
+    """FLOP/s that do `flops_` in `seconds`; inf where no time is left (the goal's step time is
+    gone before the Pallas kernels run)."""
+    return flops_ / seconds if seconds > 0 else float("inf")
+
+
 def measure(args, case: str) -> dict:
     """One case compiled deviceless for the target: roofline totals and groups, memory."""
     target, devices = targets.open_target(args.target, 1, 1)
@@ -128,6 +147,12 @@ def measure(args, case: str) -> dict:
     kernels = roofline.kernels(module, peak, hbm)
     total = roofline.total(kernels)
     model_flops = flops.train_flops_per_step(config, *shape)
+    kinds = roofline.by_kind(kernels)
+    # The goal's arithmetic: its step time, less the matmuls at the rate asked and the rest at
+    # the bandwidth, is what the Pallas kernels' FLOPs may take.
+    goal_s = model_flops / (peak * args.goal_mfu)
+    rate = (args.matmul_tflops or target.figures.peak_tflops) * 1e12
+    matmul_s = roofline.by_kind(roofline.kernels(module, rate, hbm))["matmul"].seconds
     return {
         "case": case,
         "target": target.name,
@@ -139,6 +164,17 @@ def measure(args, case: str) -> dict:
         "ideal_s": model_flops / peak,
         "mfu": model_flops / (peak * total.seconds),
         "groups": groups(kernels, total.seconds),
+        "kinds": {kind: r.as_dict() for kind, r in kinds.items()},
+        "goal": {
+            "mfu": args.goal_mfu,
+            "seconds": goal_s,
+            "matmul_tflops": rate / 1e12,
+            "matmul_s": matmul_s,
+            "pallas_tflops": rate_needed(
+                kinds["pallas"].flops, goal_s - matmul_s - kinds["other"].seconds
+            )
+            / 1e12,
+        },
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
 
@@ -147,7 +183,8 @@ def _child(args, case: str) -> dict:
     """Run one case in a process of its own; its report comes back on stdout."""
     env = {**os.environ, **targets.DEVICELESS_ENV}
     cmd = [sys.executable, "-m", "longt5_jax.bench", "roofline", "--child", "--cases", case]
-    cmd += device.step_argv(args)
+    cmd += device.step_argv(args) + ["--goal_mfu", str(args.goal_mfu)]
+    cmd += ["--matmul_tflops", str(args.matmul_tflops)] if args.matmul_tflops else []
     began = time.perf_counter()
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_RESULT)]
@@ -156,22 +193,24 @@ def _child(args, case: str) -> dict:
     return {**json.loads(lines[-1][len(_RESULT) :]), "wall_s": time.perf_counter() - began}
 
 
-def _print(rows: list[dict], top: int) -> None:
+def _print(rows: list[dict], top: int, goal: float) -> None:
+    w = max([22, *(len(r["case"]) for r in rows)])
     print(
-        f"{'case':22} {'GB/step':>8} {'roof ms':>8} {'ideal ms':>8} {'MFU':>6} {'mem-bd':>6} "
+        f"{'case':{w}} {'GB/step':>8} {'roof ms':>8} {'ideal ms':>8} {'MFU':>6} {'mem-bd':>6} "
         f"{'kernels':>8} {'compile s':>9} {'GiB':>6}"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:22} {r['error']}")
+            print(f"{r['case']:{w}} {r['error']}")
             continue
         roof = r["roofline"]
         print(
-            f"{r['case']:22} {roof['bytes'] / 1e9:8.1f} {roof['seconds'] * 1e3:8.1f} "
+            f"{r['case']:{w}} {roof['bytes'] / 1e9:8.1f} {roof['seconds'] * 1e3:8.1f} "
             f"{r['ideal_s'] * 1e3:8.1f} {r['mfu']:6.1%} "
             f"{r['memory_bound_s'] / roof['seconds']:6.1%} {roof['kernels']:8d} "
             f"{r['compile_s']:9.1f} {r['memory']['total'] / 2**30:6.2f}"
         )
+    _print_kinds(rows, goal)
     for r in rows:
         if "error" in r:
             continue
@@ -182,6 +221,31 @@ def _print(rows: list[dict], top: int) -> None:
                 f"  {g['direction'] or '-':5} {g['bytes'] / 1e9:7.1f} {g['seconds'] * 1e3:7.2f} "
                 f"{g['share']:6.1%} {g['count']:6d}  {g['part'] or '-'}  {g['op']}"
             )
+
+
+def _cell(r: dict) -> str:
+    """A roofline in a cell: 'ms (TFLOP, GB)'."""
+    return f"{r['seconds'] * 1e3:.1f} ({r['flops'] / 1e12:.1f}, {r['bytes'] / 1e9:.1f})"
+
+
+def _print_kinds(rows: list[dict], goal: float) -> None:
+    """Each case's roofline by kind of kernel, the step time `goal` MFU allows, and the rate the
+    Pallas kernels need for it with the matmuls at the rate given and the rest at bandwidth."""
+    rows = [r for r in rows if "error" not in r]
+    if not rows:
+        return
+    kinds, width = roofline.KINDS_OF_KERNEL, max([22, *(len(r["case"]) for r in rows)])
+    print(f"\nby kind: roofline ms (TFLOP, GB); the step at {goal:.0%} MFU")
+    head = " ".join(f"{k:>20}" for k in kinds)
+    print(f"{'case':{width}} {head} {'goal ms':>8} {'matmul ms':>17} {'pallas TFLOP/s':>14}")
+    for r in rows:
+        cells = " ".join(f"{_cell(r['kinds'][k]):>20}" for k in kinds)
+        g = r["goal"]
+        matmul = f"{g['matmul_s'] * 1e3:.1f} at {g['matmul_tflops']:.0f}"
+        print(
+            f"{r['case']:{width}} {cells} {g['seconds'] * 1e3:8.1f} {matmul:>17} "
+            f"{g['pallas_tflops']:14.0f}"
+        )
 
 
 def load_report(path: Path) -> dict[str, dict]:
@@ -213,15 +277,16 @@ def compare(before: dict[str, dict], rows: list[dict]) -> list[dict]:
 
 
 def _print_comparison(changes: list[dict], path: Path) -> None:
+    w = max([22, *(len(c["case"]) for c in changes)])
     print(f"\nagainst {path} (ratio = after / before)")
     print(
-        f"{'case':22} {'GB before':>9} {'after':>7} {'ratio':>6} {'ms before':>9} {'after':>7} "
+        f"{'case':{w}} {'GB before':>9} {'after':>7} {'ratio':>6} {'ms before':>9} {'after':>7} "
         f"{'ratio':>6} {'MFU before':>10} {'after':>6} {'ratio':>6}"
     )
     for c in changes:
         b, s, m = c["bytes"], c["roofline_s"], c["mfu"]
         print(
-            f"{c['case']:22} {b['before'] / 1e9:9.1f} {b['after'] / 1e9:7.1f} {b['ratio']:6.3f} "
+            f"{c['case']:{w}} {b['before'] / 1e9:9.1f} {b['after'] / 1e9:7.1f} {b['ratio']:6.3f} "
             f"{s['before'] * 1e3:9.1f} {s['after'] * 1e3:7.1f} {s['ratio']:6.3f} "
             f"{m['before']:10.1%} {m['after']:6.1%} {m['ratio']:6.3f}"
         )
@@ -275,7 +340,7 @@ def _main(argv: list[str]) -> int:
     for case in args.cases:
         print(f"{case}: deviceless compile for {args.target}", file=sys.stderr, flush=True)
         rows.append(_child(args, case))
-    _print(rows, args.top)
+    _print(rows, args.top, args.goal_mfu)
     out = Path(args.out_dir)
     config = {**vars(args), "launch": device.launch_text(args.launch)}
     report = {"config": {k: v for k, v in config.items() if k not in ("out_dir", "child")}}

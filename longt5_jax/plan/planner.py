@@ -5,13 +5,13 @@ not divide or whose analytic memory is hopeless, ranks the rest by the cost mode
 then compiles the full-size step for the best `--compile_top` from abstract arrays only
 (`compile_ahead.py`) and ranks those by the compiled program's memory and communication.
 
-`--target a100-80gb | h100-80gb | v100-32gb` (or a GpuTargetConfig file) compiles with XLA's
-GPU compiler for `--nodes x --gpus_per_node` compile-only GPUs (the `gpu` extra; no GPU needed),
-in the target's half precision unless `--dtype` says otherwise: memory is the GPU buffer
-assignment, collectives are the GPU program's. `--target cpu` compiles for as many fake CPU
-devices, the CPU compiler's program (other buffer assignment; reduce-scatter spelled all-reduce
-+ dynamic-slice); the device count is fixed when jax starts, so the planner sets it, or re-runs
-itself in a subprocess asking for it.
+`--target a100-80gb | h100-80gb | h200-141gb | v100-32gb` (or a GpuTargetConfig file) compiles with
+XLA's GPU compiler for `--nodes x --gpus_per_node` compile-only GPUs (the `gpu` extra; no GPU
+needed), in the target's half precision unless `--dtype` says otherwise: memory is the GPU buffer
+assignment, collectives are the GPU program's. `--target cpu` compiles for as many fake CPU devices,
+the CPU compiler's program (other buffer assignment; reduce-scatter spelled all-reduce +
+dynamic-slice); the device count is fixed when jax starts, so the planner sets it, or re-runs itself
+in a subprocess asking for it.
 """
 
 from __future__ import annotations

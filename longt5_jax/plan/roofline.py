@@ -54,6 +54,10 @@ TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
 _KERNEL_NAME = re.compile(r'\bname = "([^"]*)"')  # a Triton call's backend config
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 DECLARED_FLOPS = re.compile(r"\.flops_(\d+)")
+# What a kernel is, for a step's time by kind: a Pallas call (the fused attention kernels, at the
+# FLOPs they declare), a matmul (a fusion or library call with dots), or the rest (elementwise,
+# reductions, copies: memory-bound). `bench profile` sorts the GPU's timeline into the same three.
+KINDS_OF_KERNEL = ("pallas", "matmul", "other")
 
 
 @dataclasses.dataclass
@@ -247,11 +251,19 @@ class KernelCost:
     compute_s: float
     memory_s: float
     times: int
+    kind: str  # one of KINDS_OF_KERNEL
 
     @property
     def seconds(self) -> float:
         """Roofline seconds of one launch."""
         return max(self.compute_s, self.memory_s)
+
+
+def kind_of(instr: Instr, k: Kernel) -> str:
+    """Which of KINDS_OF_KERNEL a scheduled instruction's kernel `k` is."""
+    if instr.opcode == "custom-call" and TRITON in instr.attrs:
+        return "pallas"
+    return "matmul" if k.fast_flops + k.slow_flops > 0 else "other"
 
 
 def kernels(module: Module, peak_flops: float, hbm_bytes_per_s: float) -> list[KernelCost]:
@@ -274,9 +286,15 @@ def kernels(module: Module, peak_flops: float, hbm_bytes_per_s: float) -> list[K
                     compute,
                     memory,
                     times,
+                    kind_of(instr, k),
                 )
             )
     return out
+
+
+def by_kind(kernels: list[KernelCost]) -> dict[str, Roofline]:
+    """The roofline of a step's kernels of each of KINDS_OF_KERNEL (all three, in that order)."""
+    return {kind: total([k for k in kernels if k.kind == kind]) for kind in KINDS_OF_KERNEL}
 
 
 def total(kernels: list[KernelCost]) -> Roofline:

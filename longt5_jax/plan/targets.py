@@ -1,12 +1,12 @@
 """Compile targets: the GPUs a step can be compiled for without having them, and their figures.
 
-`--target NAME` (a100-80gb, h100-80gb, v100-32gb: the files in `gpu_specs/`) compiles with XLA's
-real GPU compiler, deviceless: the `gpu` extra's CUDA plugin builds compile-only devices for a
-`nodes x gpus_per_node` topology from the device description in `gpu_specs/NAME.txtpb` (XLA's
+`--target NAME` (a100-80gb, h100-80gb, h200-141gb, v100-32gb: the files in `gpu_specs/`) compiles
+with XLA's real GPU compiler, deviceless: the `gpu` extra's CUDA plugin builds compile-only devices
+for a `nodes x gpus_per_node` topology from the device description in `gpu_specs/NAME.txtpb` (XLA's
 GpuTargetConfig text format; a user's own file of that format works too, e.g. one of XLA's
-`tools/hlo_opt/gpu_specs`). The compile-only devices carry their node as `process_index`.
-`--target cpu` compiles for fake CPU devices, the CPU compiler's program, with the A100's
-figures for the cost model.
+`tools/hlo_opt/gpu_specs`). The compile-only devices carry their node as `process_index`. `--target
+cpu` compiles for fake CPU devices, the CPU compiler's program, with the A100's figures for the cost
+model.
 
 The figures the cost model needs beyond what XLA is told (dense half-precision peak, link
 bandwidths per GPU and direction) come from the table below, chosen by compute capability; flags
@@ -57,7 +57,8 @@ class Figures:
 # fp16 tensor core, 15.7 float32 (no TF32), NVLink 2 (300 GB/s both ways), one EDR 100 Gb/s
 # NIC per GPU, PCIe 3 x16. A100: 312 TFLOP/s bf16, 156 TF32, NVLink 3 (600 GB/s both ways), one
 # HDR 200 Gb/s NIC per GPU, PCIe 4 x16. H100 SXM: 989 TFLOP/s bf16, 494.5 TF32, NVLink 4 (900
-# GB/s both ways), NDR 400 Gb/s, PCIe 5 x16. (Dense: the sheets' sparse figures halved.)
+# GB/s both ways), NDR 400 Gb/s, PCIe 5 x16; an H200 is an H100 with more and faster HBM (its
+# gpu_specs file). (Dense: the sheets' sparse figures halved.)
 _FIGURES = {
     7: Figures(125.0, 150.0, 12.5, 12.5, 15.7),
     8: Figures(312.0, 300.0, 25.0, 25.0, 156.0),
