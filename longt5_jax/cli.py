@@ -58,6 +58,17 @@ def positive(text: str) -> int:
     return value
 
 
+def rate(text: str) -> float:
+    """An argparse type: a number > 0 (a rate, a bandwidth)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
 def fraction(text: str) -> float:
     """An argparse type: a number in (0, 1]."""
     try:

@@ -253,6 +253,11 @@ def test_the_goal_leaves_the_pallas_kernels_what_the_rest_does_not_take():
         (["--top", "0"], "argument --top: expected an integer >= 1"),
         (["--goal_mfu", "0"], "argument --goal_mfu: expected a number in (0, 1], got 0.0"),
         (["--goal_mfu", "35"], "argument --goal_mfu: expected a number in (0, 1], got 35.0"),
+        (["--matmul_tflops", "0"], "argument --matmul_tflops: expected a number > 0, got 0.0"),
+        (
+            ["--matmul_tflops", "fast"],
+            "argument --matmul_tflops: expected a number > 0, got 'fast'",
+        ),
         (["--compare", "{d}/missing.json"], "missing.json: No such file or directory"),
         (["--compare", "{d}/not_a_report.json"], "not a report of bench roofline"),
     ],

@@ -77,7 +77,7 @@ def _parser() -> cli.ArgumentParser:
         help="the MFU whose step time the kinds are set beside (default 0.35)",
     )  # fmt: skip
     p.add_argument(
-        "--matmul_tflops", type=float,
+        "--matmul_tflops", type=cli.rate,
         help="the matmuls' rate for the goal's arithmetic (default: the target's peak)",
     )  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
