@@ -47,37 +47,25 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _number(convert: typing.Callable[[str], float], holds: typing.Callable[[float], bool],
+            expected: str) -> typing.Callable[[str], float]:  # fmt: skip
+    """An argparse type: `convert(text)` where `holds` of it; else one line, 'expected ...'."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
 
 
-def rate(text: str) -> float:
-    """An argparse type: a number > 0 (a rate, a bandwidth)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """An argparse type: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
+positive = _number(int, lambda v: v >= 1, "an integer >= 1")
+rate = _number(float, lambda v: v > 0, "a number > 0")  # a FLOP rate, a bandwidth
+fraction = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # an MFU
 
 
 def out_dir(text: str) -> str:
