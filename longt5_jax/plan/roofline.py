@@ -212,6 +212,11 @@ def triton_name(instr: Instr) -> str:
     return parts[-2] if len(parts) > 1 and parts[-1] == "pallas_call" else ""
 
 
+def _is_pallas(instr: Instr) -> bool:
+    """A Pallas Triton call: a custom call XLA cannot see into."""
+    return instr.opcode == "custom-call" and TRITON in instr.attrs
+
+
 def declared_flops(instr: Instr) -> float:
     """The FLOPs a Pallas Triton kernel declares in its name (0 when it declares none)."""
     m = DECLARED_FLOPS.search(triton_name(instr))
@@ -227,7 +232,7 @@ def kernel(module: Module, comp: Computation, instr: Instr) -> Kernel | None:
         fused = module.computations.get(_callee(instr))
         fast, slow = _fused_flops(module, fused) if fused else (0.0, 0.0)
         return Kernel(fast, slow, _fusion_bytes(module, comp, instr))
-    if op == "custom-call" and TRITON in instr.attrs:
+    if _is_pallas(instr):
         return Kernel(declared_flops(instr), 0.0, _plain_bytes(comp, instr))
     fast = slow = 0.0
     if _is_matmul(instr):
@@ -261,7 +266,7 @@ class KernelCost:
 
 def kind_of(instr: Instr, k: Kernel) -> str:
     """Which of KINDS_OF_KERNEL a scheduled instruction's kernel `k` is."""
-    if instr.opcode == "custom-call" and TRITON in instr.attrs:
+    if _is_pallas(instr):
         return "pallas"
     return "matmul" if k.fast_flops + k.slow_flops > 0 else "other"
 
