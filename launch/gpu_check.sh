@@ -2,8 +2,8 @@
 # The GPU acceptance run of the fused attention kernels, on one GPU with the project's
 # dependencies importable, within BUDGET seconds (default 540), most informative first (device
 # time is lent by the minute, and a run cut short by the budget keeps what it measured). STEPS
-# picks and orders the sections (default "kernels launch headroom profile fill adafactor xla train
-# rest transformers unrolled": what no lease has measured first, then what one has):
+# picks and orders the sections (default "kernels launch headroom profile remat fill adafactor xla
+# train rest transformers unrolled": what no lease has measured first, then what one has):
 #   kernels: each kernel family against the XLA path on the GPU (forward and every gradient,
 #     float32 and bfloat16; the default launch checked), each kernel's time, registers and
 #     occupancy (--trace), the layer's time and kernels under each launch setting of LAUNCHES
@@ -31,6 +31,11 @@
 #   profile: a profiler trace of each case of PROFILE (the first goal case), kernel by kernel and
 #     by kind (the Pallas kernels, the matmuls, the rest: what `bench roofline --goal_mfu` asks
 #     of each; base 16k's step has not been broken down since its kernels changed);
+#   remat: base 16k without remat and with save_dots, layers unrolled, the best launch (REMAT):
+#     deviceless (H200 target, matmuls at 635 TFLOP/s) x 2 without remat moves 132.5 GB a step in
+#     15.8 GiB, x 8 478.3 GB in 54.0 GiB, x 2 save_dots 139.2 GB, where the goal case (scanned,
+#     save_attention) moves 156.3; for 35% MFU they ask 316, 299 and 339 TFLOP/s of the attention
+#     kernels against its 456 (no matmul rerun, no scan's copies of saved activations);
 #   rest: the remaining cases (kernels, unrolled where deviceless it gains: save_dots and no
 #     remat; then XLA);
 #   transformers: transformers' step on the first case;
@@ -42,7 +47,7 @@
 # Results go to ${GPU_CHECK_OUT:-bench_out/gpu_check}: log.txt (timestamped sections), each
 # benchmark's JSON, autotune/ (XLA's autotuning results, which each step after the first reads
 # back: a case's variants autotune their shared matmuls once and run the same tilings), and
-# gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, LAUNCHES override.
+# gpu_check.tar.gz of all of it. CASES, KERNEL_CASES, FILL, REMAT, LAUNCHES override.
 set -uo pipefail
 out="${GPU_CHECK_OUT:-bench_out/gpu_check}"
 # The goal cases in the remat policy fastest with the kernels (each beside XLA's attention), then
@@ -65,6 +70,7 @@ kernel_cases="${KERNEL_CASES:-base:tglobal:16384:2:padded xl:local:4096:1:packed
 # 48 KiB), 12 warps where the first gives 16, each program's own barriers apart from the others'.
 # Each setting runs only on the case whose kernels it sets.
 fill="${FILL:-xl:4096:8:save_attention xl:4096:4:save_dots}"
+remat_cases="${REMAT:-base:16384:2:none base:16384:8:none base:16384:2:save_dots}"
 launches="${LAUNCHES:-encoder_attention_fwd=8:2:1:64 encoder_attention_fwd=4:2:1:32 encoder_attention_dq=8:2:1:32 encoder_attention_dkv=8:3:1:32 encoder_attention_dbias=8:2:1:32 decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4 decoder_attention_dq=4:2 decoder_attention_dbias=4:2}"
 budget="${BUDGET:-540}"
 baseline="${BASELINE:-}"
@@ -154,6 +160,7 @@ step_headroom() {
 step_fill() { for case in $fill; do device "$case" pallas:fill "$best"; done; }
 step_adafactor() { for case in $goals; do device "$case" pallas:adafactor "$best"; done; }
 step_unrolled() { for case in $goals; do device "$case" pallas:unrolled "$best"; done; }
+step_remat() { for case in $remat_cases; do device "$case" pallas:unrolled "$best"; done; }
 step_profile() {
   local dir
   for case in ${PROFILE:-$first}; do
@@ -189,7 +196,7 @@ step_transformers() {
     --transformers --attention_kernel pallas --launch "$best" --autotune_cache "$out/autotune" \
     --out_dir "$out/transformers" --cases "$first"
 }
-for step in ${STEPS:-kernels launch headroom profile fill adafactor xla train rest transformers unrolled}; do
+for step in ${STEPS:-kernels launch headroom profile remat fill adafactor xla train rest transformers unrolled}; do
   "step_$step"
 done
 section "done"

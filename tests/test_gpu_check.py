@@ -66,6 +66,10 @@ def test_a_lease_times_the_kernels_then_each_goal_with_the_fastest_then_a_full_b
         ("device", base, "pallas", SPLIT, ""),
         ("device", xl, "pallas", "", ""),
         ("device", xl, "pallas", SPLIT, ""),
+        # base 16k where the roofline ranks it best: no matmul rerun, no scan's copies
+        ("device", "base:16384:2:none", "pallas", SPLIT, "unrolled"),
+        ("device", "base:16384:8:none", "pallas", SPLIT, "unrolled"),
+        ("device", "base:16384:2:save_dots", "pallas", SPLIT, "unrolled"),
         ("device", "xl:4096:8:save_attention", "pallas", SPLIT, ""),  # a batch that fills it
         ("device", "xl:4096:4:save_dots", "pallas", SPLIT, ""),
         ("device", base, "pallas", SPLIT, "adafactor"),  # the training loop's optimizer
