@@ -162,7 +162,7 @@ step_adafactor() { for case in $goals; do device "$case" pallas:adafactor "$best
 step_unrolled() { for case in $goals; do device "$case" pallas:unrolled "$best"; done; }
 step_remat() { for case in $remat_cases; do device "$case" pallas:unrolled "$best"; done; }
 step_profile() {
-  local dir
+  local dir model length batch remat # read from each case: not the script's own names
   for case in ${PROFILE:-$first}; do
     section "profile of $case with the kernels"
     IFS=: read -r model length batch remat <<<"$case"
