@@ -53,17 +53,68 @@ def test_plan_compiles_the_best_on_cpu_devices(capsys):
 
 
 @GPU
-def test_plan_compiles_the_best_for_the_a100_cluster(capsys):
+def test_plan_compiles_the_best_for_the_a100_cluster(capsys, monkeypatch):
+    """The best candidate's unrolled and scanned twins compiled (the analytic models cannot
+    tell them apart), then ranked by the programs' rooflines plus exposed communication."""
+    printed = []  # the compiled rows, as the table prints them
+    table = plan._print_compiled
+    monkeypatch.setattr(
+        plan, "_print_compiled", lambda rows, *a: (printed.extend(rows), table(rows, *a))
+    )
     argv = ["--model", "tiny", "--input_length", "128", "--target_length", "16"]
-    argv += ["--batch_sizes", "64", "--show", "3", "--compile_top", "1"]
+    argv += ["--batch_sizes", "64", "--show", "3", "--compile_top", "2"]
     assert plan.main(argv) == 0  # default target: 8 nodes x 4 A100-80GB
     out = capsys.readouterr().out
-    assert "compiling 1/1" in out and "the GPU buffer assignment" in out
+    assert "compiling 2/2" in out and "the GPU buffer assignment" in out
     # The progress line is whole before the compile (XLA warns on stderr while it runs).
-    assert re.search(r"^compiling 1/1: [^\n]+\n  [\d.]+ GiB/dev, estimated [\d.]+ ", out, re.M)
-    assert "8 nodes x 4 GPUs, 80 GiB, 312 TFLOP/s" in out
+    assert re.search(r"^compiling 1/2: [^\n]+\n  [\d.]+ GiB/dev, estimated [\d.]+ ", out, re.M)
+    first, second = re.findall(r"^compiling \d/2: (.+)$", out, re.M)
+    assert first.replace(" unrolled", "") == second and first != second
+    assert "8 nodes x 4 GPUs, 80 GiB, 312 TFLOP/s" in out and "roof s" in out
+    assert len(printed) == 2
+    for row in printed:  # the roofline as scheduled: the kernels, then what waits on the network
+        roof = row["roofline"]
+        assert roof.compute > 0 and 0 <= roof.comm <= row["time"].comm and roof.bubble == 0
+        assert plan._seconds(row) == roof.compute + roof.comm + roof.host
+    assert plan._seconds(printed[0]) <= plan._seconds(printed[1])
     best = out.split("best, as gin flags:")[1]
-    assert "--gin.ParallelConfig.data=" in best and "--gin.DataConfig.batch_size=64" in best
+    assert best.index(printed[0]["estimate"].candidate.gin()) < best.index(
+        printed[1]["estimate"].candidate.gin()
+    )
+    assert "--gin.DataConfig.batch_size=64" in best
+    assert best.count("--gin.LongT5Config.scan_layers=False") == 1
+
+
+def test_a_surprise_in_one_layer_forms_memory_passes_over_only_that_form(monkeypatch, capsys):
+    """After a compile holds more than the analytic model said, candidates of the same layer
+    form (scanned or unrolled) that would then not fit are passed over, and the other form's
+    are not: XLA's unrolled programs outgrow the scanned-calibrated model at large sizes."""
+    gib = 2**30
+    ratio = {False: 2.0, True: 1.1}  # compiled / estimated, unrolled and scanned
+
+    def compiled(estimate, *_):
+        total = estimate.memory * ratio[estimate.candidate.scan_layers]
+        time = cost.StepTime(1.0, 0.0, 0.0)
+        memory = types.SimpleNamespace(total=total)
+        return dict(
+            estimate=estimate, memory=memory, roofline=time, time=time, fits=total <= 80 * gib
+        )
+
+    monkeypatch.setattr(plan, "_compile", compiled)
+    base = candidates.Candidate(1, 1, 1, 0, 0, 1, "none", 2)
+    ranked = [
+        candidates.Estimate(dataclasses.replace(base, remat=r, scan_layers=s), m * gib, None)
+        for r, m in (("none", 40), ("save_dots", 50))
+        for s in (False, True)
+    ]
+    args = types.SimpleNamespace(
+        input_length=16384, target_length=512, compile_top=3, optimizer="adamw"
+    )
+    cluster = cost.Cluster(nodes=1, gpus_per_node=1, memory_gib=80)
+    rows = plan._compile_best(args, None, cluster, [], ranked)
+    labels = re.findall(r"^compiling \d/3: (.+)$", capsys.readouterr().out, re.M)
+    assert labels == [ranked[i].candidate.label() for i in (0, 1, 3)]  # 50 x 2.0 > 80
+    assert [r["fits"] for r in rows] == [True, True, True]
 
 
 def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
@@ -103,6 +154,17 @@ def test_candidates_divide_everything():
     assert all(12 % (c.pipeline * c.repeats) == 0 for c in found)
     assert all(128 % (c.data * max(c.microbatches, 1)) == 0 for c in found)
     assert {c.zero_stage for c in found} == {0, 1, 2, 3}
+    # ZeRO splits over data alone: one data rank runs one program at every stage.
+    one = candidates.enumerate_candidates(config, 1, 1, [2])
+    assert {c.zero_stage for c in one} == {0} and {c.scan_layers for c in one} == {False, True}
+    # Unrolled layers without a pipeline, each just before its scanned twin.
+    assert all(c.scan_layers for c in found if c.pipeline > 1)
+    unrolled = [i for i, c in enumerate(found) if not c.scan_layers]
+    assert unrolled and all(c.pipeline == 1 for c in (found[i] for i in unrolled))
+    twins = [dataclasses.replace(found[i], scan_layers=True) for i in unrolled]
+    assert twins == [found[i + 1] for i in unrolled]
+    assert "--gin.LongT5Config.scan_layers=False" in found[unrolled[0]].gin()
+    assert "unrolled" in found[unrolled[0]].label() and "unrolled" not in twins[0].label()
 
 
 def test_targets_carry_their_figures(tmp_path):

@@ -90,7 +90,6 @@ def _kernel_cache(device_kind: str) -> dict[str, str] | None:
 
 
 _kernel_home: Path | None = None  # this process's kernel cache directory, once made or kept
-_HELD: list = []  # the locks of kept directories, released when the process ends
 
 
 def keep_kernels_in(path: Path) -> bool:
@@ -107,7 +106,7 @@ def keep_kernels_in(path: Path) -> bool:
     except OSError:
         lock.close()
         return False
-    _HELD.append(lock)
+    atexit.register(lock.close)  # the lock is released with it, when the process ends
     _kernel_home = path
     return True
 
