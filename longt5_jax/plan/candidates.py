@@ -182,6 +182,30 @@ def host_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> fl
     return cost.host_seconds(2 * state_bytes(c, shapes)["host"], cluster)
 
 
+def update_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> float:
+    """The optimizer update's HBM time a step: it reads the gradients, parameters and optimizer
+    state of the shard it updates and writes the last two back, memory-bound (on an H200 at xl
+    4k x 1 the AdamW update took 24.1 ms of a 178 ms step, about 7 GB a [24, 2048, 5120] stack
+    in 2.2 ms: HBM's bandwidth, docs/benchmarks.md). It is paid once a step whatever the batch,
+    so it is what makes larger batches faster per sample on a few GPUs, where no gradient
+    reduction does. Offloaded, the update runs on the host (its copies are `host_seconds`)."""
+    if c.offload != "none":
+        return 0.0
+    updated = shapes.sharded_bytes(c.sizes, "opt_state", c.zero_stage)  # float32, param-shaped
+    moments = updated * shapes.opt_bytes_per_param_byte
+    return (3 * updated + 2 * moments) / (cluster.hbm_gbps * 1e9)
+
+
+def compute_estimate(
+    c: Candidate, shapes: ModelShapes, lengths: tuple[int, int], cluster: cost.Cluster
+) -> float:
+    """Seconds a step computes: the executed FLOPs at the assumed MFU, then the update."""
+    executed = executed_flops(c, shapes.config, lengths)
+    return cost.compute_seconds(executed, cluster.devices, cluster) + update_seconds(
+        c, shapes, cluster
+    )
+
+
 def memory_estimate(c: Candidate, shapes: ModelShapes, lengths: tuple[int, int]) -> float:
     """Per-device bytes: the state exactly, activations by the calibrated model."""
     return static_bytes(c, shapes) + activations(c, shapes.config, lengths).bytes()
@@ -226,9 +250,7 @@ def estimate(
     c: Candidate, shapes: ModelShapes, lengths: tuple[int, int], cluster: cost.Cluster
 ) -> Estimate:
     """Memory and step time of a candidate from the analytic models alone."""
-    compute = cost.compute_seconds(
-        executed_flops(c, shapes.config, lengths), cluster.devices, cluster
-    )
+    compute = compute_estimate(c, shapes, lengths, cluster)
     idle = cost.bubble(c.pipeline, c.microbatches, c.repeats)
     comm = comm_estimate(c, shapes, lengths, cluster)
     host = host_seconds(c, shapes, cluster)

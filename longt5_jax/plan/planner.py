@@ -138,7 +138,7 @@ def _compile(
         cfg, c.mesh(), devices, cluster.gpus_per_node, shape, optimizer=optimizer
     )
     comm = cost.comm_seconds(compiled.collectives, compiled.placement, cluster)
-    compute = cost.compute_seconds(cands.executed_flops(c, cfg, lengths), cluster.devices, cluster)
+    compute = estimate.time.compute  # the cost model's, as the candidate was ranked
     idle = cost.bubble(c.pipeline, c.microbatches, c.repeats)
     host = cost.host_seconds(compiled.host_transfers.total, cluster)
     memory = compiled.memory()
