@@ -188,9 +188,9 @@ def update_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> 
     4k x 1 the AdamW update took 24.1 ms of a 178 ms step, about 7 GB a [24, 2048, 5120] stack
     in 2.2 ms: HBM's bandwidth, docs/benchmarks.md). It is paid once a step whatever the batch,
     so it is what makes larger batches faster per sample on a few GPUs, where no gradient
-    reduction does. Offloaded, the update runs on the host (its copies are `host_seconds`)."""
-    if c.offload != "none":
-        return 0.0
+    reduction does. Offloaded, it runs on the host, from memory slower than HBM: charged the
+    same, a lower bound there, so that offload never gains by it (its copies are
+    `host_seconds`)."""
     updated = shapes.sharded_bytes(c.sizes, "opt_state", c.zero_stage)  # float32, param-shaped
     moments = updated * shapes.opt_bytes_per_param_byte
     return (3 * updated + 2 * moments) / (cluster.hbm_gbps * 1e9)
