@@ -318,10 +318,7 @@ def test_the_kernels_compile_for_gpus_inside_the_train_step(target, dropout, rem
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct((), key.dtype, sharding=NamedSharding(step.mesh, PartitionSpec()))
-    batch = compile_ahead.abstract_batch(step, 2, 128, 16)
-    with compile_ahead._persistent_cache(False):  # a compile-only program: never read back
-        lowered = step.lower(step.abstract_state, batch, rng if dropout else None)
-        text = lowered.compile().as_text()
+    text = compile_ahead.compile_step(step, 2, 128, 16, rng if dropout else None).as_text()
     assert _triton_kernels(text) == KERNELS
     assert _calls(text, "encoder_attention_fwd") == 1
     assert _calls(text, "decoder_attention_fwd") == 2

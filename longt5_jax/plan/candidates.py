@@ -3,12 +3,11 @@
 The planner (`plan.py`) compiles only a few configurations; this module chooses which. A
 candidate is a mesh (data x tensor x pipeline), a ZeRO stage, pipeline microbatches and
 repeats, a remat policy, the layers scanned or unrolled and a global batch. Candidates that do
-not divide (heads, MLP width,
-vocabulary over tensor; layers over pipeline stages x repeats; the batch over data x
-microbatches) are never made. Each remaining one gets an analytic per-device memory estimate
-(exact sharded state from the parameters' logical axes, plus an activation model) and analytic
-collective bytes, which feed the same cost model (`cost.py`) the compiled numbers later do.
-Activations follow `memory_model.py`, calibrated on the compiled GPU program.
+not divide (heads, MLP width, vocabulary over tensor; layers over pipeline stages x repeats; the
+batch over data x microbatches) are never made. Each remaining one gets an analytic per-device
+memory estimate (exact sharded state from the parameters' logical axes, plus an activation
+model) and analytic collective bytes, which feed the same cost model (`cost.py`) the compiled
+numbers later do. Activations follow `memory_model.py`, calibrated on the compiled GPU program.
 """
 
 from __future__ import annotations
@@ -196,16 +195,6 @@ def update_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> 
     return (3 * updated + 2 * moments) / (cluster.hbm_gbps * 1e9)
 
 
-def compute_estimate(
-    c: Candidate, shapes: ModelShapes, lengths: tuple[int, int], cluster: cost.Cluster
-) -> float:
-    """Seconds a step computes: the executed FLOPs at the assumed MFU, then the update."""
-    executed = executed_flops(c, shapes.config, lengths)
-    return cost.compute_seconds(executed, cluster.devices, cluster) + update_seconds(
-        c, shapes, cluster
-    )
-
-
 def memory_estimate(c: Candidate, shapes: ModelShapes, lengths: tuple[int, int]) -> float:
     """Per-device bytes: the state exactly, activations by the calibrated model."""
     return static_bytes(c, shapes) + activations(c, shapes.config, lengths).bytes()
@@ -250,7 +239,10 @@ def estimate(
     c: Candidate, shapes: ModelShapes, lengths: tuple[int, int], cluster: cost.Cluster
 ) -> Estimate:
     """Memory and step time of a candidate from the analytic models alone."""
-    compute = compute_estimate(c, shapes, lengths, cluster)
+    # The executed FLOPs at the assumed MFU, then the update.
+    executed = executed_flops(c, shapes.config, lengths)
+    compute = cost.compute_seconds(executed, cluster.devices, cluster)
+    compute += update_seconds(c, shapes, cluster)
     idle = cost.bubble(c.pipeline, c.microbatches, c.repeats)
     comm = comm_estimate(c, shapes, lengths, cluster)
     host = host_seconds(c, shapes, cluster)

@@ -65,14 +65,17 @@ def sharded_step(
     )
 
 
-def compile_step(step: ShardedStep, batch_size: int, input_length: int, target_length: int) -> Any:
-    """The compiled (`jax.stages.Compiled`) train step for batches of this shape."""
+def compile_step(
+    step: ShardedStep, batch_size: int, input_length: int, target_length: int, rng: Any = None
+) -> Any:
+    """The compiled (`jax.stages.Compiled`) train step for batches of this shape (given an
+    abstract dropout key `rng`: the step that draws dropout masks)."""
     state = step.abstract_state
     batch = abstract_batch(step, batch_size, input_length, target_length)
     device = step.mesh.devices.flat[0]
     deviceless = compile_only(device)
     with _persistent_cache(not deviceless):
-        lowered = step.lower(state, batch)
+        lowered = step.lower(state, batch, rng)
         return lowered.compile(_kernel_cache(device.device_kind) if deviceless else None)
 
 
