@@ -22,6 +22,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
+from longt5_jax import environment
 from longt5_jax.errors import RunFault, UsageError
 
 _PACKAGE = str(Path(__file__).resolve().parent)
@@ -175,7 +176,7 @@ def one_line(e: BaseException) -> str | None:
     # ours where they are read, naming the file or binding.
     if isinstance(e, UsageError) or (isinstance(e, ValueError) and _raised_here(e)):
         return " ".join(str(e).split()) or type(e).__name__
-    return None
+    return environment.platform_failure(e)  # JAX_PLATFORMS naming a platform that is absent
 
 
 class _PluginTraceback(logging.Filter):
@@ -217,10 +218,17 @@ def xla_flags_for_child(count: int = 0) -> str:
     return " ".join(flags.split())
 
 
-def run(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
-    """`main(argv)` behind the boundary; returns the exit status."""
+def run(
+    main: Callable[[list[str]], int], argv: list[str] | None = None, *, preflight: bool = True
+) -> int:
+    """`main(argv)` behind the boundary; returns the exit status. `preflight`: the
+    environment's start-up checks first (`environment.startup`: an XLA flag XLA would abort
+    on is refused, an unwritable cache variable dropped with a warning); the doctor, which
+    reports them instead, goes without."""
     quiet_third_party()
     try:
+        if preflight:
+            environment.startup()
         return main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from longt5_jax import cli, configuration
+from longt5_jax import cli, configuration, environment
 from longt5_jax.data.pipeline import load_tokenizer, make_dataset
 from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.errors import ConfigError
@@ -50,6 +50,7 @@ def _train(argv: list[str]) -> int:
     if "--print_config" in given:
         print(configuration.operative_config() or exp.summary())
         return 0
+    environment.check_port_range(exp.run.prometheus_port)  # before any work, not at the end
     model_dir = Path(exp.run.model_dir)
     if model_dir.exists() and not model_dir.is_dir():
         raise ConfigError(f"MODEL_DIR={str(model_dir)!r}: a file, expected a directory")

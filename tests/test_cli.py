@@ -67,6 +67,10 @@ CASES = {
         [*TRAIN, "--gin.MODEL_DIR='{d}/data/empty.jsonl'"],
         "MODEL_DIR='{d}/data/empty.jsonl': a file, expected a directory",
     ),
+    "metrics port out of range": (
+        _train("--gin.RunConfig.prometheus_port=70000"),
+        "RunConfig.prometheus_port=70000: expected a port in 0-65535",
+    ),
     "gin syntax error": (
         _train("--gin.LongT5Config.d_model=(("),
         "--gin.LongT5Config.d_model=((: not valid gin",
@@ -256,3 +260,78 @@ def test_a_benchmark_with_no_timed_steps_is_refused_before_any_work(name, capsys
         f"error: python -m longt5_jax.bench {name}: argument --steps: expected an integer >= 1, "
         "got 0 (see --help)"
     ]
+
+
+# The start-up's environment checks (longt5_jax/environment.py), each in a process of its own
+# environment: name: (the variables set, what the one line must name)
+ENVIRONMENT = {
+    "JAX_PLATFORMS naming an absent platform": (
+        {"JAX_PLATFORMS": "cuda"},  # no GPU here
+        "JAX_PLATFORMS=cuda: cuda absent here; the platforms present are cpu",
+    ),
+    "an unknown XLA flag": (
+        {"XLA_FLAGS": "--xla_no_such_flag=1"},
+        "XLA_FLAGS: XLA does not know --xla_no_such_flag=1",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ENVIRONMENT)
+def test_the_environment_is_checked_at_start_up_in_one_line(name, cache, tmp_path):
+    variables, line = ENVIRONMENT[name]
+    env = {**os.environ, "LONGT5_JAX_CACHE": str(cache), **variables}
+    (done,) = forkrun.start(
+        [[sys.executable, *(a.format(d=tmp_path) for a in _train())]], env, ROOT
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _read_only(d: Path) -> None:
+    """A directory no file can be written in, also by root (for whom permissions do not count:
+    an immutable directory)."""
+    d.chmod(0o555)
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(d)], capture_output=True)
+    try:
+        (d / "probe").write_text("")
+    except OSError:
+        return
+    (d / "probe").unlink()
+    pytest.skip(f"{d} stays writable here (no chattr)")
+
+
+def test_an_unusable_cache_variable_costs_the_cache_not_the_run(cache, tmp_path):
+    """LONGT5_JAX_CACHE a file, JAX_COMPILATION_CACHE_DIR a read-only directory: the run
+    trains without them, one warning naming each variable."""
+    from test_train import TINY_RUN, child_env
+
+    (tmp_path / "file").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    _read_only(locked)
+    env = {
+        **child_env(),
+        "LONGT5_JAX_CACHE": str(tmp_path / "file"),
+        "JAX_COMPILATION_CACHE_DIR": str(locked),
+    }
+    tokenizer = next(cache.glob("*.model"))  # the run's own, so that none is trained
+    argv = [*TINY_RUN[:1], *TINY_RUN[2:], "--gin.RunConfig.train_steps=1"]
+    argv += [f"--gin.DataConfig.tokenizer='{tokenizer}'", f"--gin.MODEL_DIR='{tmp_path}/run'"]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "longt5_jax.train", *argv],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 2, done.stderr[-3000:]
+    assert warnings[0].startswith(f"warning: LONGT5_JAX_CACHE={tmp_path / 'file'}: ")
+    assert warnings[1].startswith(f"warning: JAX_COMPILATION_CACHE_DIR={locked}: ")
+    assert "running without the cache" in warnings[1]
+    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+    assert not list(locked.iterdir())

@@ -22,6 +22,7 @@ ORDER = (
     "training",  # the step, optimizer, checkpoints, metrics, the loop and its Experiment
     "plan",  # cost models, deviceless compiles, HLO reading
     "configuration",  # gin -> the Experiment
+    "environment",  # XLA_FLAGS, JAX_PLATFORMS, cache variables, ports: checked at start-up
     "cli",  # the one boundary: errors -> one line and an exit status
     "ckpt",
     "bench",
@@ -34,6 +35,7 @@ ORDER = (
     "evaluate",
     "predict",
     "demo",
+    "doctor",
 )
 # Third-party modules imported inside a function, each for a reason; nothing else is.
 DEFERRED = {

@@ -108,11 +108,13 @@ class Cluster:
             f"--chdir={ROOT}",
             f"--output={model_dir}.out",
             str(ROOT / "launch" / "slurm" / "train.sbatch"),
-            MODEL_DIR=str(model_dir),
-            GIN_FILE="configs/demo.gin",
-            GIN_ARGS=" ".join(run),
-            PYTHON=sys.executable,
-            **env,
+            **{
+                "MODEL_DIR": str(model_dir),
+                "GIN_FILE": "configs/demo.gin",
+                "GIN_ARGS": " ".join(run),
+                "PYTHON": sys.executable,
+                **env,
+            },
         )
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -237,6 +239,10 @@ def uninterrupted(slurm, tmp_path_factory):
     assert job["Restarts"] == "0" and "requeueing" not in log
     # Two processes of one fake CPU device each (the allocation's), with no override given.
     assert "[0/2] " in log and "2 devices" in log, log[-3000:]
+    # The doctor ran first, under srun in the job: every task checked, process 0 printed.
+    doctor = log[: log.index("parameters, mesh")]
+    assert "processes/all-reduce" in doctor and "a sum over all 2 devices" in doctor, doctor
+    assert "processes/shared storage" in doctor and "nothing stops this run here" in doctor
     return _losses(model_dir)
 
 
@@ -295,4 +301,20 @@ def test_a_gin_typo_ends_the_job_with_status_2(slurm, tmp_path):
     out = Path(f"{model_dir}.out").read_text()
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", (job, out[-3000:])
     assert "train_stepz" in out and "Traceback" not in out, out[-3000:]
-    assert not list(model_dir.glob(".exit-*"))  # the tasks' records of their status are gone
+    # The doctor found it before training: its table's row and the script's one line.
+    row = next(line for line in out.splitlines() if "config/gin" in line)
+    assert " fail " in row and "train_stepz" in row, out[-3000:]
+    assert out.count("train_stepz") == 1, out[-3000:]  # said once for both processes
+    assert "error: the doctor's checks failed" in out, out[-3000:]
+    assert "parameters, mesh" not in out and not model_dir.exists(), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_job_without_gin_file_is_refused_in_one_line(slurm, tmp_path):
+    """No default run: without GIN_FILE the script would have pretrained on the demo set."""
+    model_dir = tmp_path / "nothing"
+    job = slurm.wait(slurm.submit(model_dir, GIN_FILE=""), Path(f"{model_dir}.out"))
+    out = Path(f"{model_dir}.out").read_text()
+    assert job["ExitCode"] == "2:0", (job, out)
+    assert out.strip().splitlines() == [next(li for li in out.splitlines() if "GIN_FILE" in li)]
+    assert out.startswith("error: GIN_FILE is not set: set GIN_FILE to the run's gin file")

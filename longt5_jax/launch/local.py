@@ -69,8 +69,10 @@ def _watch(procs: list[subprocess.Popen], lock: threading.Lock, grace_s: float) 
     return status
 
 
-def launch(num_processes: int, devices_per_process: int, train_args: list[str], grace_s=10.0):
-    """Run the processes to the end; returns the exit status."""
+def launch(num_processes: int, devices_per_process: int, train_args: list[str], grace_s=10.0,
+           module: str = "longt5_jax.train"):  # fmt: skip
+    """Run the processes of `module` (train, or the doctor checking the run) to the end;
+    returns the exit status."""
     port = free_port()
     env = {
         **os.environ,
@@ -84,7 +86,7 @@ def launch(num_processes: int, devices_per_process: int, train_args: list[str], 
             [
                 sys.executable,
                 "-m",
-                "longt5_jax.train",
+                module,
                 *train_args,
                 f"--gin.RunConfig.cpu_devices={devices_per_process}",
                 f"--coordinator_address=127.0.0.1:{port}",
@@ -134,10 +136,14 @@ def _main(argv: list[str]) -> int:
     parser = cli.ArgumentParser(prog="python -m longt5_jax.launch.local", description=__doc__)
     parser.add_argument("--num_processes", type=cli.positive, default=2)
     parser.add_argument("--devices_per_process", type=cli.positive, default=4)
+    parser.add_argument(
+        "--command", choices=("train", "doctor"), default="train", help="doctor: check the run"
+    )
     args = parser.parse_args(ours)
     if not train_args:
         raise UsageError("no training arguments: put them after `--`")
-    code = launch(args.num_processes, args.devices_per_process, train_args)
+    module = f"longt5_jax.{args.command}"
+    code = launch(args.num_processes, args.devices_per_process, train_args, module=module)
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 
 
