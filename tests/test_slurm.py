@@ -304,7 +304,6 @@ def test_a_gin_typo_ends_the_job_with_status_2(slurm, tmp_path):
     # The doctor found it before training: its table's row and the script's one line.
     row = next(line for line in out.splitlines() if "config/gin" in line)
     assert " fail " in row and "train_stepz" in row, out[-3000:]
-    assert out.count("train_stepz") == 1, out[-3000:]  # said once for both processes
     assert "error: the doctor's checks failed" in out, out[-3000:]
     assert "parameters, mesh" not in out and not model_dir.exists(), out[-3000:]
 
