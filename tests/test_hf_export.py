@@ -13,7 +13,7 @@ from reference import random_params
 
 from longt5_jax import predict
 from longt5_jax.ckpt.__main__ import main as ckpt
-from longt5_jax.ckpt.convert import gin_lines, write_native
+from longt5_jax.ckpt.convert import generation_settings, gin_lines, write_native
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.tokenizer import EOS_ID, EXTRA_IDS, UNK_ID, Tokenizer, train_tokenizer
 from longt5_jax.formats.native import resolve, saved_tokenizer
@@ -112,10 +112,40 @@ def test_the_export_holds_the_tokenizer_and_generation_defaults(exported, tokeni
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert (generation.decoder_start_token_id, generation.eos_token_id) == (0, 1)
     assert (generation.pad_token_id, generation.max_length) == (0, TARGET_LENGTH + 1)
+    assert (generation.num_beams, generation.do_sample) == (1, False)  # DecodeConfig's defaults
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     assert isinstance(theirs, transformers.T5TokenizerFast)
     assert len(theirs) == tokenizer.vocab_size == 400  # the model's 512 rows: T5's padding
     assert theirs.model_max_length == INPUT_LENGTH
+
+
+def test_the_runs_decode_settings_become_transformers_generation_settings():
+    gin = (
+        "DataConfig.target_length = 64\nDecodeConfig.max_length = 0\n"
+        "DecodeConfig.num_beams = 4\nDecodeConfig.length_penalty = 0.6\n"
+        "DecodeConfig.early_stopping = 'finished'\nDecodeConfig.temperature = 0.0\n"
+    )
+    settings, note = generation_settings(gin)
+    assert settings == {
+        "num_beams": 4,
+        "do_sample": False,
+        "max_length": 65,  # target_length, when DecodeConfig.max_length is 0
+        "length_penalty": 0.6,
+        "early_stopping": True,
+    }
+    assert note == ""
+    sampled, _ = generation_settings("DecodeConfig.temperature = 0.7\nDecodeConfig.top_p = 0.9\n")
+    assert sampled == {
+        "num_beams": 1,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_k": 0,
+        "top_p": 0.9,
+    }
+    t5x = "DecodeConfig.num_beams = 2\nDecodeConfig.length_penalty_style = 't5x'\n"
+    assert "not by the run's t5x penalty" in generation_settings(t5x)[1]
+    # What transformers reads back from these settings, without complaint.
+    transformers.GenerationConfig(**settings).validate(strict=True)
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["T5TokenizerFast", "T5Tokenizer"])

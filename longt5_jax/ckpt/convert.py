@@ -10,7 +10,9 @@ directory's spiece.model and back, or `--tokenizer PATH` gives one to a source w
 
 from __future__ import annotations
 
+import ast
 import base64
+import contextlib
 import dataclasses
 import re
 from pathlib import Path
@@ -31,6 +33,7 @@ from longt5_jax.formats.native import (
     saved_config,
     saved_tokenizer,
 )
+from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.model.config import LongT5Config
 
 
@@ -128,10 +131,44 @@ def _note(tokenizer: Tokenizer | None, source: str | Path) -> str:
     )
 
 
-def _trained_length(gin_text: str, field: str) -> int:
-    """DataConfig.`field` (input_length, target_length) in a saved gin config, or 0."""
-    found = re.findall(rf"^DataConfig\.{field}\s*=\s*(\d+)", gin_text, re.MULTILINE)
-    return int(found[-1]) if found else 0
+def _bindings(gin_text: str, name: str) -> dict[str, Any]:
+    """The values bound to `name`'s fields in a saved gin config, the last binding of each
+    ({'input_length': 4096, ...}); a value that is not a plain literal is left out."""
+    found = {}
+    for field, value in re.findall(rf"^{name}\.(\w+)\s*=\s*(.+?)\s*$", gin_text, re.MULTILINE):
+        with contextlib.suppress(ValueError, SyntaxError):
+            found[field] = ast.literal_eval(value)
+    return found
+
+
+# DecodeConfig.early_stopping in transformers' terms.
+_EARLY_STOPPING = {"heuristic": False, "finished": True, "never": "never"}
+
+
+def generation_settings(gin_text: str) -> tuple[dict[str, Any], str]:
+    """The run's decode settings (DecodeConfig as training bound it; its defaults where a saved
+    config has none) in transformers' generation_config names, and a note on what transformers
+    cannot express ('' when nothing)."""
+    bound = _bindings(gin_text, "DecodeConfig")
+    known = {f.name for f in dataclasses.fields(DecodeConfig)}
+    decode = DecodeConfig(**{k: v for k, v in bound.items() if k in known})
+    length = decode.max_length or _bindings(gin_text, "DataConfig").get("target_length", 0)
+    settings: dict[str, Any] = {"num_beams": decode.num_beams, "do_sample": decode.temperature > 0}
+    if length:
+        settings["max_length"] = length + 1  # transformers counts the decoder start token
+    if decode.num_beams > 1:
+        settings["length_penalty"] = decode.length_penalty
+        settings["early_stopping"] = _EARLY_STOPPING[decode.early_stopping]
+    if decode.temperature > 0:
+        settings |= {"temperature": decode.temperature, "top_k": decode.top_k}
+        settings["top_p"] = decode.top_p
+    note = ""
+    if decode.num_beams > 1 and decode.length_penalty_style != "transformers":
+        note = (
+            f"generation_config.json: transformers divides beam scores by len**"
+            f"{decode.length_penalty:g}, not by the run's {decode.length_penalty_style} penalty"
+        )
+    return settings, note
 
 
 def hf_to_native(src: str | Path, out: str | Path, tokenizer: str = "") -> tuple[Path, str]:
@@ -165,13 +202,15 @@ def native_to_hf(ckpt: str | Path, out: str | Path, tokenizer: str = "") -> tupl
     saved = saved_tokenizer(step_dir)
     tok = _fits(_read_tokenizer(tokenizer, saved, step_dir / "tokenizer"), config)
     gin = saved_config(step_dir).get("gin", "")
+    decoding, decode_note = generation_settings(gin)
     params = native_params(step_dir)
 
     def write(tmp: Path) -> None:
         hf.save(config, params, tmp)
-        hf_text.save_generation_config(config, tmp, _trained_length(gin, "target_length"))
+        hf_text.save_generation_config(config, tmp, decoding)
         if tok is not None:
-            max_input = _trained_length(gin, "input_length")
+            max_input = _bindings(gin, "DataConfig").get("input_length", 0)
             hf_text.save_tokenizer(tmp, tok.proto, tok.special_pieces, max_input)
 
-    return _into_place(_fresh(out), write), _note(tok, step_dir)
+    out = _into_place(_fresh(out), write)
+    return out, "\n".join(n for n in (_note(tok, step_dir), decode_note) if n)

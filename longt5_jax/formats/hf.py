@@ -26,7 +26,8 @@ from longt5_jax.model.transformer import LongT5, abstract_params
 Params = dict[str, Any]
 
 _ENC_ATTN = {"local": "LocalSelfAttention", "transient-global": "TransientGlobalSelfAttention"}
-# Aliases of shared.weight, and a legacy T5 key transformers itself ignores.
+# Aliases of shared.weight (older exports and other tools write them), and a legacy T5 key
+# transformers itself ignores.
 _IGNORED = {
     "encoder.embed_tokens.weight",
     "decoder.embed_tokens.weight",
@@ -331,11 +332,11 @@ def save(config: LongT5Config, params: Params, path: str | os.PathLike) -> None:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    # Each tensor once, as transformers' own save_pretrained writes this model: the stacks'
+    # embed_tokens are shared.weight. Copies of it would load as three separate tensors (the
+    # model twice its size in memory and on disk). transformers 4.x, reading its own save of an
+    # untied LongT5 as ours, warns that they are missing, then ties them to shared.weight.
     state = to_hf(config, params)
-    # transformers 4.x with untied heads does not alias the stacks' embeddings to shared.weight
-    # on load; without these copies it warns they are newly initialised before recovering them.
-    for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-        state[alias] = state["shared.weight"]
     with publishing(path / "model.safetensors") as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     write_atomic(path / "config.json", json.dumps(config_to_hf(config), indent=2) + "\n")

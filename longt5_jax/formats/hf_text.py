@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.model.config import LongT5Config
@@ -51,17 +52,16 @@ def save_tokenizer(
 
 
 def save_generation_config(
-    config: LongT5Config, path: str | os.PathLike, max_target: int = 0
+    config: LongT5Config, path: str | os.PathLike, decoding: dict[str, Any] | None = None
 ) -> None:
-    """generation_config.json: our special ids and (if known) the trained summary length."""
+    """generation_config.json: our special ids and `decoding`, the run's decode settings in
+    transformers' names (max_length, num_beams, do_sample, ...)."""
     settings = {
         "decoder_start_token_id": config.decoder_start_id,
         "eos_token_id": config.eos_id,
         "pad_token_id": config.pad_id,
+        **(decoding or {}),
     }
-    if max_target:
-        # transformers counts the decoder start token in max_length: max_target new tokens.
-        settings["max_length"] = max_target + 1
     write_atomic(Path(path) / "generation_config.json", json.dumps(settings, indent=2) + "\n")
 
 
