@@ -25,6 +25,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_train import TINY_RUN, child_env
 
+from longt5_jax.infer.rouge import KEYS as ROUGE_KEYS
 from longt5_jax.model import LongT5Config
 from longt5_jax.training.prometheus import PrometheusExporter
 from longt5_jax.training.run_config import RunConfig
@@ -66,7 +67,7 @@ def _exported(process: int) -> dict:
     exporter = PrometheusExporter(0, "127.0.0.1", process, info=INFO)
     exporter.update(ROW, steps=2, tokens=200.0, spent={"data": 0.2})
     exporter.update({**ROW, "step": 14, "nonfinite_steps": 3.0}, steps=2, tokens=300.0)
-    exporter.update({"eval/loss": 2.0, "eval/rouge1": 0.1})
+    exporter.update({"eval/loss": 2.0, "eval/rouge1": 0.1, "eval/rougeL": 0.1})
     exporter.update({}, spent={"checkpoint": 1.5})  # the last save, after the last row
     exporter.close()
     return _families(exporter)
@@ -93,6 +94,7 @@ def test_counters_add_up_gauges_hold_the_latest_and_process_0_exports_the_run_wi
         "longt5_step_seconds",
         "longt5_eval_loss",
         "longt5_eval_rouge1",
+        "longt5_eval_rouge_l",
     }
     assert not [n for n, k in types.items() if k == "gauge" and n.endswith("_total")]
     # Rates are Prometheus' to derive from the counters.
@@ -124,36 +126,53 @@ def test_other_processes_export_only_their_own_figures_so_sums_count_each_once()
         assert all(dict(labels)["process"] == "1" for _, labels in samples)
 
 
-def test_the_endpoint_serves_the_default_collectors_and_passes_promtool():
+def promtool_lint(text: str) -> str:
+    """What `promtool check metrics` says of an endpoint's text ('' when it passes)."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
-    exporter = PrometheusExporter(_free_ports(1), "127.0.0.1", 0, info=INFO)
-    try:
-        exporter.update(ROW, steps=2, tokens=200.0, spent={"data": 0.2})
-        exporter.update({"eval/loss": 2.0, "eval/accuracy": 0.5, "eval/tokens": 64.0})
-        text = _get(f"http://127.0.0.1:{exporter.port}/metrics")
-    finally:
-        exporter.close()
-    for name in ("process_cpu_seconds_total", "python_info", "python_gc_collections_total"):
-        assert f"\n{name}" in text, name
     lint = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True
     )
-    assert lint.returncode == 0 and not lint.stdout + lint.stderr, lint.stdout + lint.stderr
+    said = lint.stdout + lint.stderr
+    return said or ("" if lint.returncode == 0 else f"exit {lint.returncode}")
+
+
+def test_the_endpoint_serves_the_default_collectors_and_passes_promtool_at_every_row():
+    """Before any row, after a training row, after an eval with loss and every ROUGE key the
+    evaluation logs (rougeL and rougeLsum are camelCase there, snake_case here)."""
+    exporter = PrometheusExporter(free_ports(1), "127.0.0.1", 0, info=INFO)
+    rouge = {f"eval/{key}": 20.0 for key in ROUGE_KEYS}
+    texts = []
+    try:
+        for row in (
+            {},
+            ROW,
+            {"eval/loss": 2.0, "eval/accuracy": 0.5, "eval/tokens": 64.0, **rouge},
+        ):
+            exporter.update(row, steps=2, tokens=200.0, spent={"data": 0.2})
+            texts.append(http_get(f"http://127.0.0.1:{exporter.port}/metrics"))
+    finally:
+        exporter.close()
+    for name in ("process_cpu_seconds_total", "python_info", "python_gc_collections_total"):
+        assert f"\n{name}" in texts[-1], name
+    for name in ("rouge1", "rouge2", "rouge_l", "rouge_lsum"):
+        assert f"\nlongt5_eval_{name} 20.0" in texts[-1], name
+    for text in texts:
+        assert promtool_lint(text) == ""
 
 
 def test_the_final_figures_stay_served_for_the_grace_period_unless_the_run_fails():
-    exporter = PrometheusExporter(_free_ports(1), "127.0.0.1", 0, info=INFO, grace_seconds=1.0)
+    exporter = PrometheusExporter(free_ports(1), "127.0.0.1", 0, info=INFO, grace_seconds=1.0)
     url = f"http://127.0.0.1:{exporter.port}/metrics"
     exporter.update(ROW, steps=1)
     closing = threading.Thread(target=exporter.close)
     closing.start()
-    assert "longt5_step 12.0" in _get(url)  # after the last row, while closing
+    assert "longt5_step 12.0" in http_get(url)  # after the last row, while closing
     closing.join()
     with pytest.raises(OSError):
-        _get(url)
-    failing = PrometheusExporter(_free_ports(1), "127.0.0.1", 0, grace_seconds=30.0)
+        http_get(url)
+    failing = PrometheusExporter(free_ports(1), "127.0.0.1", 0, grace_seconds=30.0)
     began = time.monotonic()
     with pytest.raises(ZeroDivisionError):
         try:
@@ -164,7 +183,7 @@ def test_the_final_figures_stay_served_for_the_grace_period_unless_the_run_fails
 
 
 def test_an_absent_pushgateway_is_one_warning_and_training_goes_on(capsys):
-    gateway = f"http://127.0.0.1:{_free_ports(1)}"  # nothing listens there
+    gateway = f"http://127.0.0.1:{free_ports(1)}"  # nothing listens there
     exporter = PrometheusExporter(0, "127.0.0.1", 0, info=INFO, pushgateway=gateway)
     for step in (1, 2, 3):
         exporter.update({**ROW, "step": step}, steps=1)
@@ -247,7 +266,7 @@ def test_slurm_targets_list_each_process_on_its_node(tmp_path):
     }
 
 
-def _free_ports(count: int) -> int:
+def free_ports(count: int) -> int:
     """The first of `count` consecutive free ports on 127.0.0.1."""
     while True:
         with socket.socket() as s:
@@ -262,7 +281,7 @@ def _free_ports(count: int) -> int:
         return first
 
 
-def _get(url: str) -> str:
+def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.read().decode()
 
@@ -275,7 +294,7 @@ def _serving(argv: list, address: str, log: Path):
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(OSError):
-                _get(f"http://{address}/-/ready")
+                http_get(f"http://{address}/-/ready")
                 break
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.1)
@@ -297,6 +316,9 @@ RUN = [
     f"--gin.RunConfig.train_steps={STEPS}",
     f"--gin.EvalConfig.loss_every={STEPS}",
     "--gin.EvalConfig.loss_examples=2",
+    f"--gin.EvalConfig.rouge_every={STEPS}",  # the dashboard's ROUGE panel
+    "--gin.EvalConfig.rouge_examples=2",
+    "--gin.DecodeConfig.max_length=8",
     "--gin.RunConfig.peak_flops_per_device=1e12",
     "--gin.RunConfig.prometheus_grace_seconds=3",
 ]
@@ -310,7 +332,7 @@ def test_prometheus_and_a_pushgateway_answer_every_dashboard_query_for_a_two_pro
     prometheus, gateway = shutil.which("prometheus"), shutil.which("prometheus-pushgateway")
     if not (prometheus and gateway):
         pytest.skip("prometheus or prometheus-pushgateway not installed (Debian packages)")
-    first = _free_ports(5)  # the run's two endpoints, two Prometheus servers, the gateway
+    first = free_ports(5)  # the run's two endpoints, two Prometheus servers, the gateway
     jobs = yaml.safe_load((MONITORING / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in jobs["scrape_configs"]}
     model_dir = tmp_path / "run"
@@ -344,6 +366,7 @@ def test_prometheus_and_a_pushgateway_answer_every_dashboard_query_for_a_two_pro
             "step": STEPS,
             "loss": [r["loss"] for r in rows if "loss" in r][-1],
             "eval_loss": [r["eval/loss"] for r in rows if "eval/loss" in r][-1],
+            "eval_rouge_lsum": [r["eval/rougeLsum"] for r in rows if "eval/rougeLsum" in r][-1],
             "config_hash": config_hash,
         }
         # Scraped: the figures of the last scrape while the endpoints served them (the grace
@@ -387,7 +410,7 @@ def _prometheus(binary: str, port: int, job: dict, targets: list[int], home: Pat
 def _query(port: int, expr: str, at: float | None = None) -> list[dict]:
     params = {"query": expr, **({"time": f"{at:.3f}"} if at else {})}
     url = f"http://127.0.0.1:{port}/api/v1/query?{urllib.parse.urlencode(params)}"
-    answer = json.loads(_get(url))
+    answer = json.loads(http_get(url))
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
 
@@ -397,7 +420,7 @@ def _check_dashboard(port: int, model_dir: str, at: float, want: dict) -> None:
     ($__rate_interval: 4 x the shipped 15 s scrape interval), has data at `at`: per process where
     its legend says so, and the step, losses and config hash the run logged."""
     selector = f"/api/v1/label/model_dir/values?match[]=longt5_run_info&end={at:.3f}"
-    assert model_dir in json.loads(_get(f"http://127.0.0.1:{port}{selector}"))["data"]
+    assert model_dir in json.loads(http_get(f"http://127.0.0.1:{port}{selector}"))["data"]
     run = model_dir.replace("\\", "\\\\").replace('"', '\\"')
     answers = {}
     for panel in json.loads(DASHBOARD.read_text())["panels"]:
@@ -412,8 +435,13 @@ def _check_dashboard(port: int, model_dir: str, at: float, want: dict) -> None:
             answers[panel["title"], target["legendFormat"]] = result
     assert float(answers["Step", "step"][0]["value"][1]) == want["step"]
     assert float(answers["Processes", "processes"][0]["value"][1]) == 2
-    for legend, key in (("train", "loss"), ("eval", "eval_loss")):
-        assert float(answers["Loss", legend][0]["value"][1]) == pytest.approx(want[key], rel=1e-6)
+    for panel, legend, key in (
+        ("Loss", "train", "loss"),
+        ("Loss", "eval", "eval_loss"),
+        ("ROUGE (eval)", "rougeLsum", "eval_rouge_lsum"),
+    ):
+        value = float(answers[panel, legend][0]["value"][1])
+        assert value == pytest.approx(want[key], rel=1e-6, abs=1e-9)
     assert float(answers["Tokens per second", "tokens/s"][0]["value"][1]) > 0
     ((info,),) = [r for key, r in answers.items() if key[0] == "Run"]
     assert info["metric"]["config_hash"] == want["config_hash"]

@@ -45,7 +45,7 @@ PER_PROCESS_COUNTERS = (
     ("checkpoint", "longt5_checkpoint_seconds", "seconds spent saving checkpoints"),
 )
 # Logged figures of the whole run: (metric, help); any other key (eval/loss, ...) becomes a gauge
-# longt5_<key> ('eval/rouge1' -> longt5_eval_rouge1).
+# named by `_name` ('eval/rouge1' -> longt5_eval_rouge1, 'eval/rougeLsum' -> ..._rouge_lsum).
 GLOBAL_GAUGES = {
     "step": ("longt5_step", "the latest logged training step"),
     "loss": ("longt5_loss", "training loss per target token at the latest logged step"),
@@ -184,7 +184,11 @@ class PrometheusExporter:
 
 
 def _name(key: str) -> str:
-    return "longt5_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    """A logged key as a metric name in Prometheus' snake_case, which `promtool check metrics`
+    holds every name to: a capital starts a word ('rougeL' -> 'rouge_l'), any other character
+    outside [a-z0-9_] separates one."""
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).lower()
+    return "longt5_" + re.sub(r"[^a-z0-9_]+", "_", snake).strip("_")
 
 
 class _Latest:
