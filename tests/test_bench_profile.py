@@ -98,7 +98,7 @@ def test_the_devices_kernels_are_read_by_name_with_their_launch():
         ("gemm_fusion_dot_142", "matmul"),  # XLA's Triton GEMM
         ("loop_multiply_fusion_9", "other"),
         ("input_reduce_fusion_24", "other"),
-        ("encoder_attention_fwd_like_but_not", "other"),  # not one of kernel_base.KERNELS
+        ("encoder_attention_fwd_like_but_not", "other"),  # not one of kernels.launch.KERNELS
     ],
 )
 def test_a_devices_kernel_is_sorted_into_the_roofline_s_kinds(kernel, kind):

@@ -6,7 +6,7 @@ import pytest
 
 from longt5_jax.bench import sass
 from longt5_jax.bench.device import launch_text, parse_launch
-from longt5_jax.model import kernel_base as base
+from longt5_jax.kernels import backend as base
 from longt5_jax.plan import targets
 
 LISTING = """
@@ -121,7 +121,7 @@ def test_bench_sass_reads_every_kernel_of_a_compiled_layer(tmp_path, capsys):
 @pytest.mark.slow  # a deviceless compile and ptxas, ~80 s
 def test_float32_kernels_spill_their_loops_on_an_a100_which_auto_avoids():
     """Why `attention_kernel="auto"` takes XLA's attention for float32 on compute capability 8.x
-    (`kernel_base.suits`): ptxas gives the A100's float32 dq 32 registers, and its loop over the
+    (`kernels.backend.suits`): ptxas gives the A100's float32 dq 32 registers, and its loop over the
     side keys loads and stores spilled registers (bfloat16's on the A100 and float32's on an
     H100 keep their loops in registers: `bench sass`, docs/benchmarks.md). If a ptxas stops
     spilling, this fails: revisit `suits`."""

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from longt5_jax.bench.device import parse_launch
-from longt5_jax.model import kernel_base
+from longt5_jax.kernels.launch import kernels_set_by
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "gpu_check.sh"
 SPLIT = "decoder_attention_fwd=4:2:4,decoder_attention_dq=8:2:4"
@@ -58,7 +58,7 @@ def test_a_lease_times_the_kernels_then_each_goal_with_the_fastest_then_a_full_b
     words = shlex.split(next(line for line in calls if "longt5_jax.bench kernels" in line))
     settings = words[words.index("--launch") + 2 :]  # after the default, ""
     assert len(settings) >= 4 and "encoder_attention_fwd=8:2:1:64" in settings
-    assert all(kernel_base.kernels_set_by(parse_launch(s)) for s in settings)
+    assert all(kernels_set_by(parse_launch(s)) for s in settings)
     steps = [a for a in asked if a[0] == "device"]
     base, xl = GOALS.split()
     assert steps == [

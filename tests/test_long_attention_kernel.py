@@ -4,7 +4,6 @@ import dataclasses
 import json
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +17,10 @@ from longt5_jax.bench import kernels
 from longt5_jax.errors import ConfigError
 from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.infer.generator import Generator
-from longt5_jax.model import LongT5Config, attention_kernel
-from longt5_jax.model import kernel_base as base
-from longt5_jax.model import long_attention_tiles as tiles
-from longt5_jax.model.attention import Attention
+from longt5_jax.kernels import call, encoder_geometry, harness
+from longt5_jax.kernels import launch as kernel_launch
+from longt5_jax.kernels.interface import fused
+from longt5_jax.model import LongT5Config
 from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
 from longt5_jax.model.transformer import LongT5
@@ -48,12 +47,12 @@ CASES = {
     "tglobal_w64": ("transient-global", 63, 4, 1, 150, 2, False),
 }
 # TGlobal's forward and dq with each query block split into two programs (`Geometry.splits`),
-# and Local's whole (each the other way from its default, `kernel_base.LAUNCH`).
+# and Local's whole (each the other way from its default, `launch.LAUNCH`).
 SPLIT = (("encoder_attention_fwd", 4, 3, 2), ("encoder_attention_dq", 4, 3, 2))
 WHOLE = (("encoder_local_*", 8, 3),)
 # Every TGlobal kernel taking 16 keys a tile (`Geometry.splits`), the forward's and dq's local
-# keys in a loop (`tiles.local_keys`), split too; whole and looped at their own key parts (64 >
-# W / 2 = 16 keys: not capped); Local's looped (W = 8: 8 keys a part).
+# keys in a loop (`encoder_tiles.local_keys`), split too; whole and looped at their own key
+# parts (64 > W / 2 = 16 keys: not capped); Local's looped (W = 8: 8 keys a part).
 KEYS = (
     ("encoder_attention_fwd", 4, 3, 2, 16),
     ("encoder_attention_dq", 4, 3, 2, 16),
@@ -97,11 +96,11 @@ def test_fused_attention_matches_the_xla_path(case, launch):
     xla = LongT5Config.preset(
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads
     )
-    params, inputs, cotangent = kernels.layer_problem(xla, batch, length, packed)
-    want = kernels.run_layer(xla, params, inputs, cotangent)
+    params, inputs, cotangent = harness.layer_problem(xla, batch, length, packed)
+    want = harness.run_layer(xla, params, inputs, cotangent)
     fused = dataclasses.replace(xla, attention_kernel="pallas")
-    got = kernels.run_layer(fused, params, inputs, cotangent, launch=launch)
-    errors = kernels.relative_errors(got, want, inputs["seg"][..., None] > 0)
+    got = harness.run_layer(fused, params, inputs, cotangent, launch=launch)
+    errors = harness.relative_errors(got, want, inputs["seg"][..., None] > 0)
     # Every gradient is there: both bias tables, the input, the projections (and side norm).
     assert len(errors) == (9 if attention == "transient-global" else 7)
     assert max(errors.values()) <= TOLERANCE, errors
@@ -114,18 +113,19 @@ def test_a_split_query_block_skips_only_keys_beyond_its_queries():
     By default Local's forward and dq are split, TGlobal's not; a split program takes side
     keys 32 at a time."""
     q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
-    whole = tiles.geometry(q, 128, 0, 16)
+    whole = encoder_geometry.geometry(q, 128, 0, 16)
     fwd = whole.splits(whole.kernel("fwd"))
     assert (fwd.split, fwd.qw) == (2, 64)
     assert whole.splits(whole.kernel("dq")).split == 2
     assert whole.splits(whole.kernel("dkv")).split == 1
-    tglobal = tiles.geometry(q, 128, 64, 16)
+    tglobal = encoder_geometry.geometry(q, 128, 64, 16)
     assert tglobal.splits(tglobal.kernel("fwd")) == tglobal
-    with base.launch(LOOPED):  # keys given: the local keys looped, capped to the key parts
+    # Keys given: the local keys looped, capped to the key parts.
+    with kernel_launch.launch(LOOPED):
         looped = tglobal.splits(tglobal.kernel("fwd"))
         assert (looped.looped, looped.kb, looped.c) == (True, 64, 64)
         assert not tglobal.splits(tglobal.kernel("dkv")).looped
-    with base.launch(SPLIT):  # split, side keys 32 at a time (64 whole)
+    with kernel_launch.launch(SPLIT):  # split, side keys 32 at a time (64 whole)
         halves = tglobal.splits(tglobal.kernel("fwd"))
         assert (halves.split, halves.c, tglobal.c) == (2, 32, 64)
     skipped = {chunk: fwd.beyond(*chunk) for chunk in fwd.local_chunks if fwd.beyond(*chunk)}
@@ -139,7 +139,7 @@ def test_a_split_query_block_skips_only_keys_beyond_its_queries():
     assert fwd.flops(2, 0) * 6 == whole.flops(2, 0) * 5
     assert not any(whole.beyond(*chunk) for chunk in whole.local_chunks)
     # A block too short to halve into whole tiles (W = 8) is not split.
-    short = tiles.geometry(q, 8, 0, 16)
+    short = encoder_geometry.geometry(q, 8, 0, 16)
     assert short.splits(short.kernel("fwd")).split == 1
 
 
@@ -149,8 +149,8 @@ def test_each_launch_setting_runs_its_own_program():
     setting's program for all), and the whole one half the (default) split forward's programs."""
     # A layer no other test runs, so that no earlier test has traced it under WHOLE.
     config = LongT5Config.preset("tiny", "local", local_radius=31, attention_kernel="pallas")
-    params, inputs, cotangent = kernels.layer_problem(config, 1, 66, False)
-    kernels.run_layer(config, params, inputs, cotangent)
+    params, inputs, cotangent = harness.layer_problem(config, 1, 66, False)
+    harness.run_layer(config, params, inputs, cotangent)
     events = []
 
     def listen(event, duration, **_):
@@ -158,13 +158,13 @@ def test_each_launch_setting_runs_its_own_program():
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        kernels.run_layer(config, params, inputs, cotangent, launch=WHOLE)
+        harness.run_layer(config, params, inputs, cotangent, launch=WHOLE)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert "/jax/core/compile/jaxpr_trace_duration" in events, events  # traced under WHOLE
     grids = {}
     for launch in ((), WHOLE):
-        step = kernels.layer_loss_grad(config, "encoder", launch)
+        step = harness.layer_loss_grad(config, "encoder", launch)
         jaxpr = jax.make_jaxpr(step)(params, inputs, cotangent, inputs["x"])
         grids[launch] = [
             e.params["grid_mapping"].grid
@@ -185,13 +185,13 @@ def _eqns(jaxpr):
 @pytest.mark.parametrize("case, blocks", [("tglobal", 8), ("tglobal_w8_packed", 2)])
 def test_a_local_bias_gradient_program_sums_several_query_blocks(case, blocks, monkeypatch):
     """Each program of the local bias gradient sums R query blocks where N / R programs still
-    fill the GPU (`tiles.DBIAS_PROGRAMS`); with one program enough, R is the largest of 8, 4,
-    2 dividing N: outputs and gradients as the XLA path's, with dropout too (rows of 3: a
+    fill the GPU (`encoder_geometry.DBIAS_PROGRAMS`); with one program enough, R is the largest
+    of 8, 4, 2 dividing N: outputs and gradients as the XLA path's, with dropout too (rows of 3: a
     program's loop runs over R blocks x the batch)."""
-    monkeypatch.setattr(tiles, "DBIAS_PROGRAMS", 1)
+    monkeypatch.setattr(encoder_geometry, "DBIAS_PROGRAMS", 1)
     _, radius, k, batch, length, heads, _ = CASES[case]
     q_BLHK = jax.ShapeDtypeStruct((batch, length, heads, 16), jnp.float32)
-    assert tiles.geometry(q_BLHK, radius + 1, 0, k).rb == blocks
+    assert encoder_geometry.geometry(q_BLHK, radius + 1, 0, k).rb == blocks
     test_fused_attention_matches_the_xla_path(case, ())
     test_fused_attention_drops_out_what_the_xla_path_drops(case, ())
 
@@ -199,12 +199,12 @@ def test_a_local_bias_gradient_program_sums_several_query_blocks(case, blocks, m
 def test_a_token_in_no_global_block_sees_no_side_key():
     """A segment shorter than a global block has no global, and its tokens see no side key,
     also where its id is reused by another run of the row (the kernels' side terms depend on a
-    token's global block alone, `tiles.side_slab`): both paths agree, and the short run's
+    token's global block alone, `encoder_tiles.side_slab`): both paths agree, and the short run's
     outputs do not move when the globals of the run whose id it reuses do."""
     xla = LongT5Config.preset(
         "tiny", "transient-global", local_radius=3, global_block_size=4, num_heads=2
     )
-    params, inputs, cotangent = kernels.layer_problem(xla, 1, 32, True)
+    params, inputs, cotangent = harness.layer_problem(xla, 1, 32, True)
     seg, pos = np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32)
     start = 0
     for run, size in [(1, 16), (2, 8), (1, 3)]:  # the last run: id 1 again, under a block
@@ -219,11 +219,11 @@ def test_a_token_in_no_global_block_sees_no_side_key():
     moved = {**inputs, "x": inputs["x"].at[0, :16].add(1.0)}  # run 1's tokens and globals
     runs = {}
     for config in (xla, fused):
-        runs[config] = kernels.run_layer(config, params, inputs, cotangent)
-        out, out_moved = runs[config][0], kernels.run_layer(config, params, moved, cotangent)[0]
+        runs[config] = harness.run_layer(config, params, inputs, cotangent)
+        out, out_moved = runs[config][0], harness.run_layer(config, params, moved, cotangent)[0]
         np.testing.assert_array_equal(out[0, short], out_moved[0, short])
         assert not np.allclose(out[0, :16], out_moved[0, :16])
-    errors = kernels.relative_errors(runs[fused], runs[xla], inputs["seg"][..., None] > 0)
+    errors = harness.relative_errors(runs[fused], runs[xla], inputs["seg"][..., None] > 0)
     assert max(errors.values()) <= TOLERANCE, errors
 
 
@@ -362,7 +362,7 @@ def test_auto_takes_the_kernels_on_gpus_and_xla_elsewhere():
     assert cpu.model.config.attention_kernel == "xla"
     generator = Generator(LongT5(auto), None, mesh, one, DecodeConfig(), 4)
     assert generator.model.config.attention_kernel == "xla"
-    assert not base.fused(auto)  # the default device here is a CPU
+    assert not fused(auto)  # the default device here is a CPU
     ids = jnp.ones((2, 128), jnp.int32)
     model = LongT5(auto)
     params = jax.eval_shape(model.init, jax.random.key(0), ids, None, ids[:, :16])
@@ -415,13 +415,13 @@ def test_a_published_size_layer_compiles_for_an_h100(launch):
     x = jax.ShapeDtypeStruct((b, length, config.d_model), jnp.dtype(dtype), sharding=sharding)
     ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=sharding)
     tables = [jax.ShapeDtypeStruct(table, jnp.float32, sharding=sharding)] * 2
-    params = kernels.layer_problem(dataclasses.replace(config, dtype="float32"), 1, 128, False)[0]
+    params = harness.layer_problem(dataclasses.replace(config, dtype="float32"), 1, 128, False)[0]
     params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
     )
 
     def traced(*args):  # the launch settings in force where the kernels are traced
-        with base.launch(launch):
+        with kernel_launch.launch(launch):
             return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
 
     grad = jax.jit(traced)
@@ -434,8 +434,10 @@ def test_a_published_size_layer_compiles_for_an_h100(launch):
     assert _triton_kernels(text) == {k for k in KERNELS if k.startswith("encoder")}
     # The forward compiled is the launch's: its declared FLOPs count the local keys it skips.
     q = jax.ShapeDtypeStruct((b, length, config.num_heads, config.d_kv), jnp.float32)
-    geo = tiles.geometry(q, config.local_radius + 1, length // config.global_block_size, 16)
-    with base.launch(launch):
+    geo = encoder_geometry.geometry(
+        q, config.local_radius + 1, length // config.global_block_size, 16
+    )
+    with kernel_launch.launch(launch):
         flops = geo.splits("encoder_attention_fwd").flops(2, 2)
     assert f'"encoder_attention_fwd.flops_{flops}"' in text
     assert (flops < geo.flops(2, 2)) == (launch == SPLIT)  # a split skips keys beyond it
@@ -544,88 +546,6 @@ def test_sharded_steps_with_the_kernels_equal_one_device(mesh, microbatches, dro
     test_step._assert_same(run(pallas, parallel, devices), want)
 
 
-class _DecoderAttention(nn.Module):
-    """The decoder's attention as a layer uses it: keys and values projected from `source`
-    (with the config's dropout, the masks of `rows`)."""
-
-    config: LongT5Config
-
-    @nn.compact
-    def __call__(self, x, source, mask, bias, rows=None):
-        attention = Attention(self.config, not self.config.dropout_rate, name="attention")
-        return attention(x, *attention.keys_values(source), mask, bias, rows)
-
-
-# name: (batch, queries, keys, heads, self-attention, packed)
-DECODER_CASES = {
-    "self_causal_bias": (2, 21, 21, 3, True, False),
-    "self_packed": (2, 19, 19, 2, True, True),
-    "cross": (2, 7, 45, 4, False, False),
-    "cross_packed": (3, 18, 70, 2, False, True),
-    "self_two_tiles": (2, 70, 70, 2, True, False),  # two key tiles of 64 (the last padded)
-}
-# The decoder's forward and dq with each query tile's keys split in two programs (`Tiles.split`;
-# cross-attention only, where the keys outnumber the queries).
-KEY_SPLIT = (("decoder_attention_fwd", 4, 2, 2), ("decoder_attention_dq", 8, 2, 2))
-
-
-@pytest.mark.parametrize(
-    "case, launch, dropout",
-    [pytest.param(case, (), 0.0, id=case) for case in sorted(DECODER_CASES)]
-    + [
-        pytest.param("cross_packed", KEY_SPLIT, 0.0, id="cross_packed-split"),
-        pytest.param("cross_packed", KEY_SPLIT, 0.3, id="cross_packed-split-dropout"),
-    ],
-)
-def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
-    """Outputs and every gradient as the XLA path's; split, each query tile's keys in two
-    programs whose outputs are combined by their log-sum-exps (a packed cross-attention's part
-    may see none of a query's keys, and count for nothing), with dropout's masks too."""
-    b, t, s, heads, self_attention, packed = DECODER_CASES[case]
-    rng = np.random.default_rng(2)
-    xla = LongT5Config.preset("tiny", num_heads=heads, dropout_rate=dropout)
-    x = jnp.asarray(rng.normal(size=(b, t, xla.d_model)), jnp.float32)
-    source = x if self_attention else jnp.asarray(rng.normal(size=(b, s, xla.d_model)), jnp.float32)
-    q_seg, _ = kernels.rows(b, t, packed, rng)
-    k_seg = q_seg if self_attention else kernels.rows(b, s, packed, rng)[0]
-    mask = k_seg[:, None, :] > 0
-    if packed:
-        mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
-    if self_attention:
-        mask = mask & (np.arange(s)[None, :] <= np.arange(t)[:, None])
-    bias = jnp.asarray(rng.normal(size=(heads, t, s)), jnp.float32) if self_attention else None
-    layer = _DecoderAttention(dataclasses.replace(xla, dropout_rate=0.0))  # the same parameters
-    params = jax.jit(layer.init)(jax.random.key(0), x, source, mask, bias)["params"]
-    params = jax.tree.map(lambda a: a * (1 + 0.3 * rng.normal(size=a.shape)), params)
-    real = jnp.asarray(mask.any(-1))[..., None]  # rows that see no key are don't-care
-    cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32) * real
-
-    rows = Rows(jnp.asarray([5, 2, 7][:b], jnp.int32), jnp.asarray(3)) if dropout else None
-    drops = {"rngs": {"dropout": jax.random.key(4)}} if dropout else {}
-
-    def run(config):
-        def loss(params, x, source, bias):
-            out = _DecoderAttention(config).apply(
-                {"params": params}, x, source, mask, bias, rows, **drops
-            )
-            return jnp.sum(out * cotangent), out
-
-        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
-            params, x, source, bias
-        )
-        return out, grads
-
-    want = run(xla)
-    with base.launch(launch):
-        got = run(dataclasses.replace(xla, attention_kernel="pallas"))
-    errors = kernels.relative_errors(got, want, real)
-    assert len(errors) == (8 if self_attention else 7)  # output, q/k/v/o, x, source (, bias)
-    assert max(errors.values()) <= TOLERANCE, errors
-    if dropout:  # it did drop out
-        plain = run(dataclasses.replace(xla, dropout_rate=0.0))[0]
-        assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1
-
-
 @pytest.mark.parametrize(
     "case, launch",
     [
@@ -644,7 +564,7 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads,
         dropout_rate=0.3,
     )  # fmt: skip
-    params, inputs, cotangent = kernels.layer_problem(xla, batch, length, packed)
+    params, inputs, cotangent = harness.layer_problem(xla, batch, length, packed)
     rows = Rows(jnp.asarray([5, 2, 7][:batch], jnp.int32), jnp.asarray(3))
 
     def run(config):
@@ -660,69 +580,13 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
         return out, grads
 
     want = run(xla)
-    with base.launch(launch):
+    with kernel_launch.launch(launch):
         got = run(dataclasses.replace(xla, attention_kernel="pallas"))
-    errors = kernels.relative_errors(got, want, inputs["seg"][..., None] > 0)
+    errors = harness.relative_errors(got, want, inputs["seg"][..., None] > 0)
     assert max(errors.values()) <= TOLERANCE, errors
     # Dropout did drop: the output differs from the deterministic layer's.
-    plain = kernels.run_layer(xla, params, inputs, cotangent)[0]
+    plain = harness.run_layer(xla, params, inputs, cotangent)[0]
     assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1
-
-
-def _lowered_for_a_gpu(launch, q, mask, keys=None) -> str:
-    """The decoder attention's gradient of q (keys and values q, or `keys`), traced under
-    `launch` and lowered for a GPU: the Triton calls' settings and grids as text."""
-    with base.launch(launch):
-
-        def loss(q):
-            k = q if keys is None else keys
-            return attention_kernel.attention(q, k, k, mask).astype(jnp.float32).sum()
-
-        with targets.tracing_for(targets.devices(targets.load("h100-80gb"), 1, 1)):
-            traced = jax.jit(jax.grad(loss)).trace(q)
-            return traced.lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-def test_launch_settings_reach_the_triton_calls():
-    """`base.launch` sets each kernel's warps and stages by name (first match wins, the rest
-    keep `LAUNCH`'s), in the Triton call a GPU compiles."""
-    q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
-    mask = jnp.ones((1, 64, 64), bool)
-
-    def lowered(launch):
-        return re.findall(r'name = "(decoder_attention_\w+)\.flops.*?num_stages = (\d+) : i32, '
-                          r"num_warps = (\d+)", _lowered_for_a_gpu(launch, q, mask))  # fmt: skip
-
-    found = dict((name, (int(w), int(s))) for name, s, w in lowered(()))
-    assert found == {"decoder_attention_fwd": (4, 2), "decoder_attention_dq": (8, 2),
-                     "decoder_attention_dkv": (4, 2)}  # fmt: skip
-    found = dict((name, (int(w), int(s))) for name, s, w in lowered((("*_dq", 2, 1),)))
-    assert found["decoder_attention_dq"] == (2, 1) and found["decoder_attention_fwd"] == (4, 2)
-
-
-@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-def test_a_key_split_reaches_the_triton_grid():
-    """The decoder's forward split in 4 runs 4 programs a query tile in the Triton call a GPU
-    compiles; a split that does not divide the key tiles (8 of 4) is not made, nor one of a
-    self-attention (as many keys as queries)."""
-    q, k = jnp.zeros((1, 64, 2, 16), jnp.bfloat16), jnp.zeros((1, 256, 2, 16), jnp.bfloat16)
-    mask = jnp.ones((1, 1, 256), bool)
-
-    def grids(launch):
-        text = _lowered_for_a_gpu(launch, q, mask, keys=k)
-        return [int(z) for z in re.findall(r"grid_z = (\d+) : i32", text)]
-
-    split = (("decoder_attention_fwd", 4, 2, 4), ("decoder_attention_dq", 8, 2, 2))
-    assert grids(()) == [1, 1]  # forward and dq (q's gradient only) over one query tile
-    assert grids(split) == [4, 2]
-    assert grids((("decoder_attention_*", 8, 2, 8),)) == [1, 1]
-    self_mask = jnp.ones((1, 256, 256), bool)  # keys as many as queries: k as q
-
-    def self_grids(launch):
-        return re.findall(r"grid_z = (\d+) : i32", _lowered_for_a_gpu(launch, k, self_mask))
-
-    assert self_grids(split) == self_grids(()) == ["4"] * 3  # fwd, dq, dkv: 4 tiles each
 
 
 def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_kernels():
@@ -743,7 +607,7 @@ def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_
     assert kernels._best_launch(reports) == f"{tg},{dec}"
 
     def set_by(launch):
-        return base.kernels_set_by(kernels.parse_launch(launch))
+        return kernel_launch.kernels_set_by(kernels.parse_launch(launch))
 
     assert set_by(family) >= set_by(tg) == {"encoder_attention_dq"}
     # Traced, a case's layer is its kernels' device time: the calls' time, which counts the
@@ -784,7 +648,15 @@ def test_the_step_runs_every_setting_that_beat_the_default_where_they_set_other_
     ]
     assert kernels._best_launch(skipped) == f"{tg},{dec}"
     with pytest.raises(ValueError, match="'encoder_attention_dx' is not one of"):
-        base.call(None, "encoder_attention_dx", 0, (1,), [], [], [])
+        call.call(
+            None,
+            "encoder_attention_dx",
+            flops=0,
+            grid=(1,),
+            in_specs=[],
+            out_specs=[],
+            out_shape=[],
+        )
 
 
 def test_bench_kernels_keeps_the_cases_it_timed_when_stopped(tmp_path, monkeypatch):

@@ -240,7 +240,7 @@ def test_commands_default_dtype_to_the_targets_half_precision(capsys):
 def test_a_float32_plan_computes_at_float32s_peak_with_xlas_attention_on_an_a100(capsys):
     """TF32's dense peak (an A100's 156 TFLOP/s, half its bfloat16 312; an H100's 494.5; a
     V100's CUDA cores 15.7), unless --peak_tflops says; and `auto` keeps float32 off the kernels
-    on compute capability 8.x (`kernel_base.suits`), not on 9.0."""
+    on compute capability 8.x (`kernels.backend.suits`), not on 9.0."""
     a100, h100, v100 = (targets.load(n) for n in ("a100-80gb", "h100-80gb", "v100-32gb"))
     assert [t.figures.peak("float32") for t in (a100, h100, v100)] == [156.0, 494.5, 15.7]
     assert [t.figures.peak("bfloat16") for t in (a100, h100)] == [312.0, 989.0]

@@ -14,7 +14,9 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 # the others; a module belongs to the longest name here that prefixes it.
 ORDER = (
     "errors",  # the error kinds every layer raises
+    "kernels",  # fused attention kernels (Pallas), below the model that calls them
     "model",  # pure math with logical axis names
+    "kernels.harness",  # the kernels' reference: a model layer each way, their errors
     "formats",  # checkpoint trees: native, Hugging Face, T5X; atomic writes
     "data",  # sources, tokenizer, objectives, batches
     "parallel",  # mesh, the rule table, shardings, pipeline, offload
@@ -142,7 +144,7 @@ def test_the_architecture_page_draws_the_order_the_test_holds():
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     drawing = page.split("## Layers", 1)[1].split("```")[1]
     drawn = [
-        line.split()[0].removesuffix("/").removesuffix(".py")
+        line.split()[0].removesuffix("/").removesuffix(".py").replace("/", ".")
         for line in drawing.splitlines()
         if line and not line[0].isspace()
     ]

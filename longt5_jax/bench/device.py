@@ -36,8 +36,8 @@ from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
+from longt5_jax.kernels import launch as base
 from longt5_jax.model import LongT5Config
-from longt5_jax.model import kernel_base as base
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig
@@ -74,7 +74,7 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -
 
 
 def add_launch_argument(p) -> None:
-    """--launch: the kernels' Triton launch settings (`parse_launch`; none: `kernel_base.LAUNCH`),
+    """--launch: the kernels' Triton launch settings (`parse_launch`; none: `launch.LAUNCH`),
     as every benchmark that compiles them takes it."""
     p.add_argument(
         "--launch",

@@ -34,6 +34,7 @@ from longt5_jax import cli
 from longt5_jax.bench import kernels
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
+from longt5_jax.kernels import harness
 from longt5_jax.model import LongT5Config
 from longt5_jax.plan import compile_ahead, targets
 
@@ -151,9 +152,9 @@ def _ours(case: str, shape: dict) -> dict:
     """The case's layer forward and backward in bfloat16 with the kernels: its kernels' time."""
     model, kind, length, batch = _parse(case)
     layer_case = f"{model}:{kind}:{length}:{batch}:padded"
-    config, layer = kernels.case_problem(layer_case)
+    config, layer = harness.case_problem(layer_case)
     pallas = dataclasses.replace(config, attention_kernel="pallas")
-    traced = kernels.kernel_times(lambda: kernels.run_layer(pallas, *layer, "bfloat16"))
+    traced = kernels.kernel_times(lambda: harness.run_layer(pallas, *layer, "bfloat16"))
     family = kernels.family(layer_case)
     ours = {k["kernel"]: k["ms"] for k in traced if k["kernel"] in family}
     forward = [ms for name, ms in ours.items() if name.endswith("_fwd")]

@@ -43,8 +43,8 @@ from longt5_jax import cli
 from longt5_jax.bench import device
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
+from longt5_jax.kernels import launch as base
 from longt5_jax.model import LongT5Config
-from longt5_jax.model import kernel_base as base
 from longt5_jax.plan import compile_ahead, flops, hlo, hlo_module, roofline, targets
 
 CASES = [

@@ -10,10 +10,10 @@ import shlex
 
 import jax
 
-from longt5_jax.bench import kernels as harness
 from longt5_jax.doctor.report import Row, fail, ok, warn
 from longt5_jax.doctor.software import device_memory
-from longt5_jax.model import LongT5Config, kernel_base
+from longt5_jax.kernels import backend, harness, interface
+from longt5_jax.model import LongT5Config
 from longt5_jax.plan import candidates
 from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.experiment import Experiment
@@ -47,7 +47,7 @@ def mesh_row(exp: Experiment) -> Row:
 def resolved_model(exp: Experiment) -> LongT5Config:
     """The model as it runs here: `attention_kernel="auto"` made concrete for this device."""
     capability = str(getattr(jax.local_devices()[0], "compute_capability", ""))
-    return kernel_base.resolve(exp.model, capability)
+    return interface.resolve(exp.model, capability)
 
 
 def shapes_of(exp: Experiment) -> ModelShapes:
@@ -140,7 +140,7 @@ def kernel_rows(exp: Experiment, check: bool) -> list[Row]:
             f"auto on {where}: the fused kernels suit {model.dtype} here"
             if model.attention_kernel == "pallas"
             else f"auto on {where}: the fused kernels need a CUDA GPU from "
-            f"{kernel_base.KERNELS_SINCE}.0 on ({kernel_base.WIDE_SINCE}.0 in float32)"
+            f"{backend.KERNELS_SINCE}.0 on ({backend.WIDE_SINCE}.0 in float32)"
         )
     else:
         why = f"set in the config (LongT5Config.attention_kernel={exp.model.attention_kernel!r})"
@@ -153,7 +153,7 @@ def kernel_rows(exp: Experiment, check: bool) -> list[Row]:
 def layer_check(model: LongT5Config) -> Row:
     """One tiny encoder attention layer, forward and backward, fused against XLA's."""
     capability = str(getattr(jax.local_devices()[0], "compute_capability", ""))
-    wide = capability == "" or kernel_base.suits(capability, "float32")
+    wide = capability == "" or backend.suits(capability, "float32")
     dtype, tolerance = ("float32", 1e-4) if wide else ("bfloat16", 3e-2)
     xla = LongT5Config.preset("tiny", model.attention, dtype=dtype)
     problem = harness.layer_problem(xla, 2, 32, packed=True)

@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from longt5_jax.model import attention_kernel as kernel
-from longt5_jax.model import kernel_base as base
+from longt5_jax.kernels import interface as kernels
+from longt5_jax.kernels.dropout import dropout_scale
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import AttentionDropout, Projection, Rows, dropout_scale, normal
+from longt5_jax.model.layers import AttentionDropout, Projection, Rows, normal
 
 HEADS = ("batch", "length", "heads", "kv")
 MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only match with it
@@ -69,9 +69,11 @@ class Attention(nn.Module):
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         seed = self.dropout(rows)
         # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
-        if base.fused(c) and q_BTHK.shape[1] > 1:
+        if kernels.fused(c) and q_BTHK.shape[1] > 1:
             dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
-            out_BTHK = kernel.attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS, dropout)
+            out_BTHK = kernels.decoder_attention(
+                q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS=bias_HTS, dropout=dropout
+            )
             return self.out(nn.with_logical_constraint(out_BTHK, HEADS))
         # Logits and softmax in float32 whatever the compute dtype.
         logits_BHTS = jnp.einsum(

@@ -57,7 +57,7 @@ class LongT5Config:
     # through; parameters keep their [layers, ...] layout either way.
     scan_layers: bool = True
     # Attention: "xla" (the reference, score tensors in memory), "pallas" (fused kernels for
-    # the encoder's and the decoder's attention, `long_attention_kernel`, `attention_kernel`:
+    # the encoder's and the decoder's attention, `longt5_jax.kernels`:
     # Triton on a GPU, interpreted on a CPU; attention dropout inside them) or "auto" (the
     # kernels on a GPU that runs them, XLA's attention elsewhere: `resolved`). Cached decoding
     # (one query a step) runs the XLA path.
@@ -110,7 +110,7 @@ class LongT5Config:
     def resolved(self, kernels_suit: bool) -> LongT5Config:
         """This config with `attention_kernel="auto"` made concrete: the fused kernels where they
         suit (`kernels_suit`: a CUDA GPU from Ampere on, float32 from Hopper on,
-        `kernel_base.suits`), faster there in every case measured; XLA's attention elsewhere."""
+        `kernels.backend.suits`), faster there in every case measured; XLA's attention elsewhere."""
         if self.attention_kernel != "auto":
             return self
         return dataclasses.replace(self, attention_kernel="pallas" if kernels_suit else "xla")

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from longt5_jax.model.config import LongT5Config
 
@@ -98,44 +97,6 @@ class Dropout(nn.Module):
 
         keep = jax.vmap(mask)(rows.ids)
         return jax.lax.select(keep, x / jnp.asarray(keep_prob, x.dtype), jnp.zeros_like(x))
-
-
-def _int32(x: int) -> np.int32:
-    return np.uint32(x).view(np.int32)
-
-
-# lowbias32 (C. Wellons' hash prospector) multipliers and odd constants spreading each counter.
-_MIX = (_int32(0x7FEB352D), _int32(0x846CA68B))
-_SPREAD = (_int32(0x9E3779B1), _int32(0x85EBCA77), _int32(0xC2B2AE3D))
-# Side keys are counted from here, apart from token positions (< 2^30).
-SIDE_KEYS = 1 << 30
-
-
-def _mix32(x: jax.Array) -> jax.Array:
-    """A bijective avalanche of 32 bits, in int32 (wrapping products, logical shifts) so that
-    XLA and a Triton kernel compute the same bits."""
-    srl = jax.lax.shift_right_logical
-    x = (x ^ srl(x, 16)) * _MIX[0]
-    x = (x ^ srl(x, 15)) * _MIX[1]
-    return x ^ srl(x, 16)
-
-
-def attention_keep(seed, row, head, query, key, rate: float) -> jax.Array:
-    """Attention dropout as a counter-based hash: element (row, head, query, key) of a layer is
-    kept iff the top 24 bits of a hash of those and the layer's seed clear rate * 2^24. Any
-    device, layout or kernel computes the same mask for the same element (rows are global row
-    ids, heads global head ids, queries and keys token positions or SIDE_KEYS + g); arguments
-    broadcast, int32."""
-    per_head = _mix32(seed ^ _mix32(row * _SPREAD[0] + head))
-    per_query = _mix32(per_head ^ (query * _SPREAD[1]))
-    bits = _mix32(per_query ^ (key * _SPREAD[2]))
-    return jax.lax.shift_right_logical(bits, 8) >= int(round(rate * (1 << 24)))
-
-
-def dropout_scale(seed, row, head, query, key, rate: float) -> jax.Array:
-    """float32 1 / (1 - rate) where `attention_keep` keeps, else 0."""
-    keep = attention_keep(seed, row, head, query, key, rate)
-    return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
 
 
 class AttentionDropout(nn.Module):

@@ -20,12 +20,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from longt5_jax.model import kernel_base as base
-from longt5_jax.model import long_attention_kernel as kernel
+from longt5_jax.kernels import interface as kernels
+from longt5_jax.kernels.dropout import SIDE_KEYS, dropout_scale
 from longt5_jax.model import relpos
 from longt5_jax.model.attention import HEADS, MASKED, qkvo_projections
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import SIDE_KEYS, AttentionDropout, RMSNorm, Rows, dropout_scale
+from longt5_jax.model.layers import AttentionDropout, RMSNorm, Rows
 
 
 def heads_major(x_BLHK: jax.Array) -> jax.Array:
@@ -84,8 +84,8 @@ def local_bias(config, table_HR: jax.Array) -> jax.Array:
     buckets = relpos.relative_position_bucket(
         relative, True, config.relpos_buckets, config.relpos_max_distance
     )
-    if base.fused(config):
-        table_HR = jnp.concatenate([table_HR, jnp.full((heads, 1), base.NEG, table_HR.dtype)], 1)
+    if kernels.fused(config):
+        table_HR = jnp.concatenate([table_HR, jnp.full((heads, 1), kernels.NEG, table_HR.dtype)], 1)
         buckets = jnp.where(jnp.abs(relative) < w, buckets, r)
     return relpos.lookup(table_HR, buckets)
 
@@ -168,7 +168,7 @@ class LongSelfAttention(nn.Module):
             side = (side_k, side_v)
         k_BLHK = nn.with_logical_constraint(k_BLHK, HEADS)
         v_BLHK = nn.with_logical_constraint(v_BLHK, HEADS)
-        if base.fused(c):
+        if kernels.fused(c):
             out_BLHK = self._fused(q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks,
                                    side, side_table_HR, rows)  # fmt: skip
         else:
@@ -180,7 +180,7 @@ class LongSelfAttention(nn.Module):
     def _fused(
         self, q_BLHK, k_BLHK, v_BLHK, segment_ids, local_bias_HWX, blocks, side, table_HR, rows
     ):
-        """The Pallas kernels (`long_attention_kernel`): no score tensor in memory."""
+        """The Pallas kernels (`kernels.encoder`): no score tensor in memory."""
         c = self.config
         seed = self.dropout(rows)
         dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
@@ -189,10 +189,10 @@ class LongSelfAttention(nn.Module):
             by_distance_HD = relpos.by_distance(
                 table_HR, side[0].shape[1], c.relpos_buckets, c.relpos_max_distance
             )
-            fused_side = kernel.Side(
+            fused_side = kernels.Side(
                 *side, by_distance_HD, blocks.block_ids, blocks.global_segment_ids
             )
-        return kernel.encoder_attention(
+        return kernels.encoder_attention(
             q_BLHK,
             k_BLHK,
             v_BLHK,

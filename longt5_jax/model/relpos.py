@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longt5_jax.kernels.by_distance import sum_by_distance
 from longt5_jax.model.layers import uniform_fan_avg
 
 
@@ -130,16 +131,6 @@ def _shifted_rows_fwd(v_BHD, shift_BNW, cols):
 
 def _shifted_rows_bwd(cols, shift_BNW, cotangent_BHNWG):
     return sum_by_distance(cotangent_BHNWG, shift_BNW, cols), None
-
-
-def sum_by_distance(cotangent_BHNWG: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array:
-    """[B, H, 2 cols]: the transpose of `shifted_rows`, each distance's cotangents summed."""
-    index_BNWD = jnp.arange(2 * cols) + shift_BNW[..., None] - cols
-    index_BNWD = jnp.where(index_BNWD < 0, cols, index_BNWD)  # negative would count from the end
-    found_BHNWD = jnp.take_along_axis(
-        cotangent_BHNWG, index_BNWD[:, None], axis=-1, mode="fill", fill_value=0
-    )
-    return found_BHNWD.sum((2, 3))
 
 
 shifted_rows.defvjp(_shifted_rows_fwd, _shifted_rows_bwd)

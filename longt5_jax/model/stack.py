@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from longt5_jax.kernels.call import SAVED
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.kernel_base import SAVED
 
 
 class StackRunner(Protocol):
@@ -49,7 +49,7 @@ class WholeStack:
 
 
 # save_attention and save_dots keep what the fused attention kernels' backward reads from their
-# forward (`kernel_base.SAVED`), so no kernel's forward runs twice; with XLA's attention nothing
+# forward (`kernels.call.SAVED`), so no kernel's forward runs twice; with XLA's attention nothing
 # carries that name, and save_attention is full remat.
 _KERNEL_OUTPUTS = jax.checkpoint_policies.save_only_these_names(SAVED)
 _REMAT = {

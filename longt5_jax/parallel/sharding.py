@@ -13,7 +13,8 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.errors import ConfigError
-from longt5_jax.model import kernel_base as base
+from longt5_jax.kernels import interface as kernels
+from longt5_jax.kernels import placement
 from longt5_jax.parallel.devices import capability
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.rules import Use, rules
@@ -25,7 +26,7 @@ def activation_context(mesh: Mesh, parallel: ParallelConfig) -> contextlib.ExitS
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(mesh))
     interpreted = kernels_interpreted(mesh)
-    stack.enter_context(base.placement(functools.partial(kernel_placement, interpreted)))
+    stack.enter_context(placement.placement(functools.partial(kernel_placement, interpreted)))
     stack.enter_context(
         nn.logical_axis_rules(
             rules(
@@ -108,21 +109,21 @@ def for_devices(model: nn.Module, mesh: Mesh | AbstractMesh) -> nn.Module:
         return model
     device = mesh.devices.flat[0]
     found = capability(device)
-    runs = base.runs_on(found)
+    runs = kernels.runs_on(found)
     if model.config.attention_kernel == "pallas" and device.platform == "gpu" and not runs:
         raise ConfigError(
             f"LongT5Config.attention_kernel='pallas': {device.device_kind} (compute capability "
             f"{found}) cannot run the fused kernels (Triton compiles for 8.0 and newer); use "
             "'auto' or 'xla'"
         )
-    config = base.resolve(model.config, found)
+    config = kernels.resolve(model.config, found)
     return model if config is model.config else model.clone(config=config)
 
 
 def kernel_placement(interpreted: bool, fn, arrays: list, axes: list, out_axes) -> Any:
     """fn(*arrays) on each device's own rows and heads: a shard_map over the mesh axes that the
     logical `batch` and `heads` map to under the rules in force, as the model's own constraints
-    are placed (the model's kernels call this through `base.on_own_rows_and_heads`). An
+    are placed (the model's kernels call this through `kernels.placement.on_own_rows_and_heads`). An
     output whose logical axes lack `batch` (a shared table's gradient) is summed over the rows'
     devices. `out_axes`: one output's logical axes, or a tuple of them."""
     mesh = jax.sharding.get_abstract_mesh()

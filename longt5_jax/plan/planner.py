@@ -30,8 +30,8 @@ import time
 
 from longt5_jax import cli
 from longt5_jax.errors import RunFault, UsageError
+from longt5_jax.kernels.interface import resolve, runs_on
 from longt5_jax.model import LongT5Config
-from longt5_jax.model.kernel_base import resolve, runs_on
 from longt5_jax.parallel.mesh import OFFLOADS
 from longt5_jax.plan import candidates as cands
 from longt5_jax.plan import compile_ahead, cost, hlo, targets

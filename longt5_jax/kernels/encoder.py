@@ -6,20 +6,19 @@ keys per chunk and U rows of the one-hot that sums a query block's side-bias gra
 block. Layout: q, k, v and the output stay [B, L, H, K] (no heads-major transposes): a block
 load [W, K] at (b, n, h) is a strided read.
 
-Per program of the forward (grid B x H x N; B x H x 2N with query blocks split in two by the
-launch settings, `Geometry.splits`), on chip: the query block [W, K], one key and value
-block [W, K] at a time (blocks n-1, n, n+1; the window is |i - j| < W), the [W, W] slice of the
-local bias, then the side keys and values C at a time with their [W, C] bias and mask as a
-one-hot matmul (`tiles.side_slab`: a query's side terms depend on its global block alone); one
-online softmax over all of them, invalid keys an additive NEG or -inf. HBM per program: q, the
-three k and v blocks, G side k and v rows (from L2 after the first head), the output and a [W]
-log-sum-exp. The backward recomputes the probabilities from that log-sum-exp (FlashAttention-2):
-dq by query block; local dk, dv by key block (its three query blocks); side dk, dv by chunk of
-side keys over all query blocks; the local bias gradient as [H, N / R, W, 3W] partial sums over
-the batch and R query blocks (XLA sums the rest); the side bias gradient summed in-kernel over
-the tokens of each global block (a [U, W] one-hot matmul, U << W), then by distance in XLA.
-Rows that see no key (padding) output 0. Attention dropout is drawn per tile from
-`layers.attention_keep`, the XLA path's masks.
+Per program of the forward (grid B x H x N; B x H x 2N with query blocks split in two by the launch
+settings, `Geometry.splits`), on chip: the query block [W, K], one key and value block [W, K] at a
+time (blocks n-1, n, n+1; the window is |i - j| < W), the [W, W] slice of the local bias, then the
+side keys and values C at a time with their [W, C] bias and mask as a one-hot matmul
+(`encoder_tiles.side_slab`: a query's side terms depend on its global block alone); one online
+softmax over all of them, invalid keys an additive NEG or -inf. HBM per program: q, the three k and
+v blocks, G side k and v rows (from L2 after the first head), the output and a [W] log-sum-exp. The
+backward recomputes the probabilities from that log-sum-exp (FlashAttention-2): dq by query block;
+local dk, dv by key block (its three query blocks); side dk, dv by chunk of side keys over all
+query blocks; the local bias gradient as [H, N / R, W, 3W] partial sums over the batch and R query
+blocks (XLA sums the rest); the side bias gradient summed in-kernel over the tokens of each global
+block (a [U, W] one-hot matmul, U << W), then by distance in XLA. Rows that see no key (padding)
+output 0. Attention dropout is drawn per tile from `dropout.attention_keep`, the XLA path's masks.
 
 Each kernel declares its tensor-core FLOPs in its name (`NAME.flops_N`): XLA has no cost for a
 custom call, and `plan.roofline` reads them from there.
@@ -34,10 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from longt5_jax.model import kernel_base as base
-from longt5_jax.model import long_attention_grad as grad
-from longt5_jax.model import long_attention_tiles as tiles
-from longt5_jax.model.long_attention_tiles import Side
+from longt5_jax.kernels import call, placement, softmax
+from longt5_jax.kernels import encoder_grad as grad
+from longt5_jax.kernels import encoder_tiles as tiles
+from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale
+from longt5_jax.kernels.encoder_geometry import Geometry, Side, geometry
 
 __all__ = ["Side", "encoder_attention"]
 
@@ -45,7 +45,7 @@ __all__ = ["Side", "encoder_attention"]
 # -- forward ------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(geo: tiles.Geometry, *refs):
+def _fwd_kernel(geo: Geometry, *refs):
     (o_ref, lse_ref), (own, side_refs, drop_refs) = refs[-2:], tiles.split_refs(geo, refs[:-2], 12)
     q_ref, k_refs, v_refs = own[0], own[1:4], own[4:7]
     sq_ref, sk_refs, bias_ref = own[7], own[8:11], own[11]
@@ -59,9 +59,7 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
     )
 
     def local(state, s, _, v, keys):
-        return base.online(
-            state, s, None, v, base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
-        )
+        return softmax.online(state, s, None, v, drop_scale(geo.rate, drop_refs, b, h, rows, keys))
 
     local_refs = (k_refs, v_refs, sk_refs, bias_ref)
     state = tiles.local_keys(geo, n, b, h, half, local_refs, q, seg_q, local, state)
@@ -71,20 +69,20 @@ def _fwd_kernel(geo: tiles.Geometry, *refs):
         def chunk(j, state):
             s, _, v = tiles.side_chunk(geo, q, j, b, h, side_rows, side_refs)
             keys = tiles.side_key_ids(geo, j)
-            return base.online(
-                state, s, None, v, base.drop_scale(geo.rate, drop_refs, b, h, rows, keys)
+            return softmax.online(
+                state, s, None, v, drop_scale(geo.rate, drop_refs, b, h, rows, keys)
             )
 
         state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
     m, l, acc = state
-    seen = base.seen(m)
+    seen = softmax.seen(m)
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
         o_ref.dtype
     )
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
 
 
-def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, drop):
+def _forward(geo: Geometry, q, k, v, seg, bias, side: Side | None, gq, drop):
     name = geo.kernel("fwd")
     geo = geo.splits(name)
     specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
@@ -93,16 +91,16 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, dro
         specs, arrays = specs + side_specs, arrays + side_arrays
     specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
     b, length = seg.shape
-    return base.call(
+    return call.call(
         functools.partial(_fwd_kernel, geo),
         name,
-        geo.flops(2, 2),
-        (geo.batch, geo.heads, geo.n * geo.split),
-        specs,
-        [tiles.tile(geo, rows=geo.qw), tiles.stat(geo, rows=geo.qw)],
-        [
-            base.out(q.shape, q.dtype, q),
-            base.out((b, geo.heads, length), jnp.float32, q),
+        flops=geo.flops(2, 2),
+        grid=(geo.batch, geo.heads, geo.n * geo.split),
+        in_specs=specs,
+        out_specs=[tiles.tile(geo, rows=geo.qw), tiles.stat(geo, rows=geo.qw)],
+        out_shape=[
+            placement.out(q.shape, q.dtype, q),
+            placement.out((b, geo.heads, length), jnp.float32, q),
         ],
     )(*arrays)
 
@@ -110,10 +108,10 @@ def _forward(geo: tiles.Geometry, q, k, v, seg, bias, side: Side | None, gq, dro
 # -- the differentiable function ----------------------------------------------------------------
 
 
-# The kernels run on each device's own rows and heads (`base.on_own_rows_and_heads`): the
+# The kernels run on each device's own rows and heads (`placement.on_own_rows_and_heads`): the
 # forward and the backward are placed, each a call of its own, so that the residuals between
 # them are ordinary arrays. Logical axes of every array a call takes or gives:
-_SIDE = [base.ROWS, base.ROWS, ("heads", None), None, ("batch", None)]  # Side's fields
+_SIDE = [placement.ROWS, placement.ROWS, ("heads", None), None, ("batch", None)]  # Side's fields
 _STAT = ("batch", "heads", None)  # the log-sum-exp [B, H, L]
 
 
@@ -134,7 +132,7 @@ def _optional(side, gq, drop) -> tuple[list, list]:
         axes += [*_side_axes(side), ("batch", None)]
     if drop is not None:
         arrays += list(drop)
-        axes += base.DROP_AXES
+        axes += DROP_AXES
     return arrays, axes
 
 
@@ -144,7 +142,7 @@ def _unpack(geo, rest) -> tuple:
     if geo.g:
         side, gq, rest = Side(rest[0], rest[1], rest[2], None, rest[3]), rest[4], rest[5:]
     if geo.rate:
-        drop = base.Drop(*rest[:3])
+        drop = Drop(*rest[:3])
     return side, gq, drop
 
 
@@ -157,9 +155,9 @@ def _placed_forward(geo, q, k, v, seg, bias, side, gq, drop):
         return _forward(_local(geo, q), q, k, v, seg, bias, *_unpack(geo, rest))
 
     extra, extra_axes = _optional(side, gq, drop)
-    axes = [base.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
-    return base.on_own_rows_and_heads(
-        forward, [q, k, v, seg, bias, *extra], axes, (base.ROWS, _STAT)
+    axes = [placement.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
+    return placement.on_own_rows_and_heads(
+        forward, [q, k, v, seg, bias, *extra], axes, (placement.ROWS, _STAT)
     )
 
 
@@ -169,7 +167,7 @@ def _attention(geo, q, k, v, seg, bias, side, gq, drop):
 
 
 def _attention_fwd(geo, q, k, v, seg, bias, side, gq, drop):
-    o, lse = base.saveable(*_placed_forward(geo, q, k, v, seg, bias, side, gq, drop))
+    o, lse = call.saveable(*_placed_forward(geo, q, k, v, seg, bias, side, gq, drop))
     return o, (q, k, v, seg, bias, side, gq, o, lse, drop)
 
 
@@ -183,13 +181,13 @@ def _attention_bwd(geo, res, do):
         return (dq, dk, dv, dbias) + (d_side if side is not None else ())
 
     extra, extra_axes = _optional(side, gq, drop)
-    axes = [base.ROWS] * 3 + [("batch", None), ("heads", None, None), base.ROWS, _STAT]
-    axes += [base.ROWS, *extra_axes]
+    axes = [placement.ROWS] * 3 + [("batch", None), ("heads", None, None), placement.ROWS, _STAT]
+    axes += [placement.ROWS, *extra_axes]
     # The bias tables' gradients lack `batch`: the placement sums them over the rows' devices.
-    outs = (base.ROWS, base.ROWS, base.ROWS, ("heads", None, None))
+    outs = (placement.ROWS, placement.ROWS, placement.ROWS, ("heads", None, None))
     if side is not None:
-        outs += (base.ROWS, base.ROWS, ("heads", None))
-    grads = base.on_own_rows_and_heads(
+        outs += (placement.ROWS, placement.ROWS, ("heads", None))
+    grads = placement.on_own_rows_and_heads(
         backward, [q, k, v, seg, bias, o, lse, do, *extra], axes, outs
     )
     d_side = None if side is None else Side(*grads[4:], None, None)
@@ -210,28 +208,28 @@ def encoder_attention(
     dropout: tuple[jax.Array, jax.Array, float] | None = None,
 ) -> jax.Array:
     """[B, L, H, K] attention output, normalised, in q's dtype (0 for padding rows); under a
-    mesh, on each device's own rows and heads (`base.on_own_rows_and_heads`). The local bias
+    mesh, on each device's own rows and heads (`placement.on_own_rows_and_heads`). The local bias
     is NEG beyond the radius (`long_attention.local_bias`). `dropout`:
-    (the layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
+    (the layer's int32 seed, the rows' global ids [B], rate), as `dropout.attention_keep`."""
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
-    geo = tiles.geometry(q_BLHK, w, g, global_block_size, dropout[2] if dropout else 0.0)
+    geo = geometry(q_BLHK, w, g, global_block_size, dropout[2] if dropout else 0.0)
     lp = geo.n * w
-    q, k, v = (base.pad(x, {1: lp}) for x in (q_BLHK, k_BLHK, v_BLHK))
-    seg = base.pad(segment_ids.astype(jnp.int32), {1: lp})
+    q, k, v = (call.pad(x, {1: lp}) for x in (q_BLHK, k_BLHK, v_BLHK))
+    seg = call.pad(segment_ids.astype(jnp.int32), {1: lp})
     gq = drop = None
     if geo.g:
-        gq = base.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
+        gq = call.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
         side = Side(
-            base.pad(side.k_BGHK, {1: geo.gp}),
-            base.pad(side.v_BGHK, {1: geo.gp}),
+            call.pad(side.k_BGHK, {1: geo.gp}),
+            call.pad(side.v_BGHK, {1: geo.gp}),
             side.bias_HD.astype(jnp.float32),
             None,
-            base.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.gp}),
+            call.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.gp}),
         )
     else:
         side = None
     if geo.rate:
-        drop = base.Drop.of(dropout[0], dropout[1], geo.heads)
+        drop = Drop.of(dropout[0], dropout[1], geo.heads)
     bias = local_bias_HWX.astype(jnp.float32)
     return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]

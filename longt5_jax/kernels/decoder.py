@@ -22,108 +22,35 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from longt5_jax.model import kernel_base as base
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Static shapes of one call."""
-
-    batch: int
-    heads: int
-    head_dim: int
-    tq: int  # query tile Q
-    tk: int  # key tile C
-    t: int  # queries, padded to whole tiles
-    s: int  # keys, padded to whole tiles
-    mask_rows: int  # T, or 1 for a mask shared by every query
-    bias: bool
-    rate: float = 0.0  # attention dropout (the kernels then take `base.Drop`'s arrays last)
-    parts: int = 1  # programs a query tile's keys are split among (`split`)
-
-    def flops(self, matmuls: int) -> int:
-        return 2 * matmuls * self.batch * self.heads * self.t * self.s * self.head_dim
-
-    def split(self, name: str) -> Tiles:
-        """This call for kernel `name`, each query tile's keys split into parts of whole key
-        tiles as its launch settings say (`kernel_base.split_of`), a program each. Why: at 512
-        targets the forward and dq run B x H x 8 programs (192 at base 16k) where an H100's 132
-        SMs hold 2-4 each (0.4-0.7 waves, `bench sass`), each looping over every key tile (256
-        over 16k encoder tokens). The parts' outputs are combined outside (`_combine`, a sum
-        for dq), from [P, ...] float32 arrays: more bytes, so off until a GPU times it. Only
-        where the keys outnumber the queries (cross-attention over a longer input): those
-        bytes grow with the queries, the work a program saves with the keys, and a
-        self-attention's grid grows with its keys (`bench roofline`: half the split's bytes)."""
-        parts = base.split_of(name)
-        split = self.s > self.t and (self.s // self.tk) % parts == 0
-        return dataclasses.replace(self, parts=parts if split else 1)
-
-    def key_tiles(self, part) -> tuple:
-        """The first and the end key tile of `part` (a program id)."""
-        per = self.s // self.tk // self.parts
-        return part * per, (part + 1) * per
-
-    def program(self, p) -> tuple:
-        """(query tile, part) of the forward's and dq's program id p."""
-        return p // self.parts, p % self.parts
-
-
-def _query_tile(tl: Tiles) -> pl.BlockSpec:
-    return pl.BlockSpec(
-        (None, tl.tq, None, tl.head_dim), lambda b, h, p: (b, tl.program(p)[0], h, 0)
-    )
-
-
-def _out_tile(tl: Tiles) -> pl.BlockSpec:
-    """Where a program of the forward or dq writes its [Q, K] tile: in the output, or, split,
-    in its part of the [P, B, T, H, K] float32 parts (`_out`)."""
-    if tl.parts == 1:
-        return _query_tile(tl)
-    return pl.BlockSpec(
-        (None, None, tl.tq, None, tl.head_dim),
-        lambda b, h, p: (tl.program(p)[1], b, tl.program(p)[0], h, 0),
-    )
-
-
-def _out(tl: Tiles, shape, dtype, like) -> jax.ShapeDtypeStruct:
-    """An output of the forward or dq: `shape` in `dtype`, or, split, [P, *shape] float32."""
-    if tl.parts == 1:
-        return base.out(shape, dtype, like)
-    return base.out((tl.parts, *shape), jnp.float32, like)
-
-
-def _key_tile(tl: Tiles) -> pl.BlockSpec:
-    return pl.BlockSpec((None, tl.tk, None, tl.head_dim), lambda b, h, j: (b, j, h, 0))
-
-
-def _stat(tl: Tiles) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, tl.tq), lambda b, h, p: (b, h, tl.program(p)[0]))
-
-
-def _out_stat(tl: Tiles) -> pl.BlockSpec:
-    if tl.parts == 1:
-        return _stat(tl)
-    return pl.BlockSpec(
-        (None, None, None, tl.tq), lambda b, h, p: (tl.program(p)[1], b, h, tl.program(p)[0])
-    )
+from longt5_jax.kernels import call, placement, softmax
+from longt5_jax.kernels.decoder_tiles import (
+    Tiles,
+    key_tile,
+    out_stat,
+    out_tile,
+    out_type,
+    query_tile,
+    stat,
+)
+from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale, dropped_grad
 
 
 def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
     """[Q, C] scores (with the bias) and their validity, or None where a mask shared by every
     query (cross-attention's) made invalid keys NEG: one add a key, taken into the matmul's
     accumulator, instead of a compare and a select an element (SASS, sm_90a)."""
-    s = base.dot(q, k, trans_b=True)
+    s = softmax.dot(q, k, trans_b=True)
     if tl.bias:
         s = s + bias_ref[h, rows, keys]
     if tl.mask_rows == 1:
-        return s + jnp.where(mask_ref[b, pl.ds(0, 1), keys] != 0, 0.0, base.NEG), None
+        return s + jnp.where(mask_ref[b, pl.ds(0, 1), keys] != 0, 0.0, softmax.NEG), None
     return s, mask_ref[b, rows, keys] != 0
 
 
 def _scale(tl: Tiles, drop, b, h, i, j):
     """Dropout's [Q, C] scale of query tile i x key tile j (token positions), or None."""
     queries, keys = i * tl.tq + jnp.arange(tl.tq), j * tl.tk + jnp.arange(tl.tk)
-    return base.drop_scale(tl.rate, drop, b, h, queries, keys)
+    return drop_scale(tl.rate, drop, b, h, queries, keys)
 
 
 def _kernel(tl: Tiles, body, inputs: int):
@@ -144,7 +71,7 @@ def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref,
         keys = pl.ds(j * tl.tk, tl.tk)
         s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
         scale = _scale(tl, drop, b, h, i, j)
-        return base.online(state, s, valid, v_ref[b, keys, h, :], scale)
+        return softmax.online(state, s, valid, v_ref[b, keys, h, :], scale)
 
     state = (
         jnp.full((tl.tq,), -jnp.inf, jnp.float32),
@@ -152,7 +79,7 @@ def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref,
         jnp.zeros((tl.tq, tl.head_dim), jnp.float32),
     )
     m, l, acc = jax.lax.fori_loop(*tl.key_tiles(part), chunk, state)
-    seen = base.seen(m)
+    seen = softmax.seen(m)
     safe = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
     # A part that sees no key weighs nothing in `_combine`; a whole row that sees none has 0.
@@ -169,10 +96,10 @@ def _dq_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
         keys = pl.ds(j * tl.tk, tl.tk)
         k = k_ref[b, keys, h, :]
         s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
-        p = base.probs(s, valid, lse)
-        dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
-        ds = base.dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
-        return dq + base.dot(ds.astype(k.dtype), k)
+        p = softmax.probs(s, valid, lse)
+        dp = softmax.dot(do, v_ref[b, keys, h, :], trans_b=True)
+        ds = dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
+        return dq + softmax.dot(ds.astype(k.dtype), k)
 
     zeros = jnp.zeros((tl.tq, tl.head_dim), jnp.float32)
     dq_ref[...] = jax.lax.fori_loop(*tl.key_tiles(part), chunk, zeros).astype(dq_ref.dtype)
@@ -188,11 +115,11 @@ def _dkv_kernel(tl: Tiles, drop, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref
         rows = pl.ds(i * tl.tq, tl.tq)
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
         s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
-        p = base.probs(s, valid, lse_ref[b, h, rows])
+        p = softmax.probs(s, valid, lse_ref[b, h, rows])
         scale = _scale(tl, drop, b, h, i, j)
-        dv += base.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
-        ds = base.dropped_grad(p, base.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
-        return dk + base.dot(ds.astype(q.dtype).T, q), dv
+        dv += softmax.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
+        ds = dropped_grad(p, softmax.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
+        return dk + softmax.dot(ds.astype(q.dtype).T, q), dv
 
     zeros = jnp.zeros((tl.tk, tl.head_dim), jnp.float32)
     dk, dv = jax.lax.fori_loop(0, tl.t // tl.tq, chunk, (zeros, zeros))
@@ -209,10 +136,10 @@ def _dbias_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_r
     def one_row(b, acc):
         q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
         s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
-        p = base.probs(s, valid, lse_ref[b, h, rows])
-        dp = base.dot(do, v_ref[b, keys, h, :], trans_b=True)
+        p = softmax.probs(s, valid, lse_ref[b, h, rows])
+        dp = softmax.dot(do, v_ref[b, keys, h, :], trans_b=True)
         scale = _scale(tl, drop, b, h, i, j)
-        return acc + base.dropped_grad(p, dp, delta_ref[b, h, rows], scale)
+        return acc + dropped_grad(p, dp, delta_ref[b, h, rows], scale)
 
     zeros = jnp.zeros((tl.tq, tl.tk), jnp.float32)
     out_ref[...] = jax.lax.fori_loop(0, tl.batch, one_row, zeros)
@@ -221,14 +148,17 @@ def _dbias_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_r
 def _forward(tl: Tiles, q, k, v, mask, bias, *drop):
     name = "decoder_attention_fwd"
     tl = tl.split(name)
-    o, lse = base.call(
+    o, lse = call.call(
         _kernel(tl, _fwd_kernel, 5),
         name,
-        tl.flops(2),
-        (tl.batch, tl.heads, tl.t // tl.tq * tl.parts),
-        [_query_tile(tl)] + [base.whole()] * (4 + len(drop)),
-        [_out_tile(tl), _out_stat(tl)],
-        [_out(tl, q.shape, q.dtype, q), _out(tl, (tl.batch, tl.heads, tl.t), jnp.float32, q)],
+        flops=tl.flops(2),
+        grid=(tl.batch, tl.heads, tl.t // tl.tq * tl.parts),
+        in_specs=[query_tile(tl)] + [call.whole()] * (4 + len(drop)),
+        out_specs=[out_tile(tl), out_stat(tl)],
+        out_shape=[
+            out_type(tl, q.shape, q.dtype, q),
+            out_type(tl, (tl.batch, tl.heads, tl.t), jnp.float32, q),
+        ],
     )(q, k, v, mask, bias, *drop)
     return (o, lse) if tl.parts == 1 else _combine(o, lse, q.dtype)
 
@@ -247,38 +177,38 @@ def _combine(o_PBTHK, lse_PBHT, dtype):
 
 def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do, *drop):
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    whole, extra = base.whole(), [base.whole()] * len(drop)
+    whole, extra = call.whole(), [call.whole()] * len(drop)
     dq_tl = tl.split("decoder_attention_dq")
-    dq = base.call(
+    dq = call.call(
         _kernel(dq_tl, _dq_kernel, 8),
         "decoder_attention_dq",
-        tl.flops(3),
-        (tl.batch, tl.heads, tl.t // tl.tq * dq_tl.parts),
-        [_query_tile(dq_tl)] * 2 + [_stat(dq_tl)] * 2 + [whole] * 4 + extra,
-        _out_tile(dq_tl),
-        _out(dq_tl, q.shape, q.dtype, q),
+        flops=tl.flops(3),
+        grid=(tl.batch, tl.heads, tl.t // tl.tq * dq_tl.parts),
+        in_specs=[query_tile(dq_tl)] * 2 + [stat(dq_tl)] * 2 + [whole] * 4 + extra,
+        out_specs=out_tile(dq_tl),
+        out_shape=out_type(dq_tl, q.shape, q.dtype, q),
     )(q, do, lse, delta, k, v, mask, bias, *drop)
     if dq_tl.parts > 1:
         dq = dq.sum(0).astype(q.dtype)
-    dk, dv = base.call(
+    dk, dv = call.call(
         _kernel(tl, _dkv_kernel, 8),
         "decoder_attention_dkv",
-        tl.flops(4),
-        (tl.batch, tl.heads, tl.s // tl.tk),
-        [_key_tile(tl), _key_tile(tl)] + [whole] * 6 + extra,
-        [_key_tile(tl), _key_tile(tl)],
-        [base.out(k.shape, k.dtype, q), base.out(v.shape, v.dtype, q)],
+        flops=tl.flops(4),
+        grid=(tl.batch, tl.heads, tl.s // tl.tk),
+        in_specs=[key_tile(tl), key_tile(tl)] + [whole] * 6 + extra,
+        out_specs=[key_tile(tl), key_tile(tl)],
+        out_shape=[placement.out(k.shape, k.dtype, q), placement.out(v.shape, v.dtype, q)],
     )(k, v, q, do, lse, delta, mask, bias, *drop)
     if not tl.bias:
         return dq, dk, dv
-    dbias = base.call(
+    dbias = call.call(
         _kernel(tl, _dbias_kernel, 8),
         "decoder_attention_dbias",
-        tl.flops(2),
-        (tl.heads, tl.t // tl.tq, tl.s // tl.tk),
-        [whole] * 8 + extra,
-        pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
-        base.out(bias.shape, jnp.float32, q),
+        flops=tl.flops(2),
+        grid=(tl.heads, tl.t // tl.tq, tl.s // tl.tk),
+        in_specs=[whole] * 8 + extra,
+        out_specs=pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
+        out_shape=placement.out(bias.shape, jnp.float32, q),
     )(q, do, lse, delta, k, v, mask, bias, *drop)
     return dq, dk, dv, dbias
 
@@ -286,36 +216,42 @@ def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do, *drop):
 _STAT = ("batch", "heads", None)
 
 
-def _placed(tl: Tiles, call, arrays: list, drop, outs: tuple):
-    """call(tiles of each device's shard, *arrays, *drop) on each device's own rows and heads
+def _placed(tl: Tiles, run, arrays: list, drop, outs: tuple):
+    """run(tiles of each device's shard, *arrays, *drop) on each device's own rows and heads
     (the forward and the backward are placed apart, so their residuals are ordinary arrays);
     the bias' gradient lacks `batch` and is summed over the rows' devices."""
     bias = ("heads", None, None) if tl.bias else (None, None, None)
-    axes = [base.ROWS] * 3 + [("batch", None, None), bias, base.ROWS, _STAT, base.ROWS]
-    axes = axes[: len(arrays)] + (base.DROP_AXES if drop is not None else [])
+    axes = [placement.ROWS] * 3 + [
+        ("batch", None, None),
+        bias,
+        placement.ROWS,
+        _STAT,
+        placement.ROWS,
+    ]
+    axes = axes[: len(arrays)] + (DROP_AXES if drop is not None else [])
 
     def on_shard(*shards):
-        return call(dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2]),
+        return run(dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2]),
                     *shards)  # fmt: skip
 
     outs = tuple(bias if o == "bias" else o for o in outs)
     arrays = arrays + ([] if drop is None else list(drop))
-    return base.on_own_rows_and_heads(on_shard, arrays, axes, outs)
+    return placement.on_own_rows_and_heads(on_shard, arrays, axes, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(tl, q, k, v, mask, bias, drop):
-    return _placed(tl, _forward, [q, k, v, mask, bias], drop, (base.ROWS, _STAT))[0]
+    return _placed(tl, _forward, [q, k, v, mask, bias], drop, (placement.ROWS, _STAT))[0]
 
 
 def _attention_fwd(tl, q, k, v, mask, bias, drop):
-    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (base.ROWS, _STAT))
-    o, lse = base.saveable(o, lse)
+    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (placement.ROWS, _STAT))
+    o, lse = call.saveable(o, lse)
     return o, (q, k, v, mask, bias, o, lse, drop)
 
 
 def _attention_bwd(tl, res, do):
-    outs = (base.ROWS,) * 3 + (("bias",) if tl.bias else ())
+    outs = (placement.ROWS,) * 3 + (("bias",) if tl.bias else ())
     *arrays, drop = res
     grads = _placed(tl, _backward, [*arrays, do], drop, outs)
     bias = res[4]
@@ -326,7 +262,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _tile_size(n: int) -> int:
-    return min(64, max(16, base.pow2(n)))
+    return min(64, max(16, call.pow2(n)))
 
 
 def attention(
@@ -339,20 +275,20 @@ def attention(
 ) -> jax.Array:
     """[B, T, H, K] softmax(q k + bias, masked) v, in q's dtype (0 for rows that see no key);
     the mask may be shared by the batch ([1, T, S]) or by the queries ([B, 1, S]). Under a mesh,
-    on each device's own rows and heads (`base.on_own_rows_and_heads`). `dropout`: (the
-    layer's int32 seed, the rows' global ids [B], rate), as `layers.attention_keep`."""
+    on each device's own rows and heads (`placement.on_own_rows_and_heads`). `dropout`: (the
+    layer's int32 seed, the rows' global ids [B], rate), as `dropout.attention_keep`."""
     b, t, h, k = q_BTHK.shape
     mask = jnp.broadcast_to(mask_BTS, (b, *mask_BTS.shape[1:]))
     tq, tk = _tile_size(t), _tile_size(k_BSHK.shape[1])
     tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
     rows, rate = mask.shape[1], dropout[2] if dropout else 0.0
     tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None, rate)
-    q = base.pad(q_BTHK, {1: tp})
-    keys, values = base.pad(k_BSHK, {1: sp}), base.pad(v_BSHK, {1: sp})
-    mask = base.pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
+    q = call.pad(q_BTHK, {1: tp})
+    keys, values = call.pad(k_BSHK, {1: sp}), call.pad(v_BSHK, {1: sp})
+    mask = call.pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
     if bias_HTS is None:
         bias = jnp.zeros((1, 1, 1), jnp.float32)
     else:
-        bias = base.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
-    drop = base.Drop.of(dropout[0], dropout[1], h) if rate else None
+        bias = call.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
+    drop = Drop.of(dropout[0], dropout[1], h) if rate else None
     return _attention(tl, q, keys, values, mask, bias, drop)[:, :t]

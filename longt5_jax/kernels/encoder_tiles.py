@@ -1,11 +1,10 @@
-"""Building blocks of the fused encoder attention kernels (`long_attention_kernel`): the
-static geometry of a call, block specs over [B, L, H, K] arrays, and the masked scores of a
-query block against its local and side keys, shared by the forward and backward kernels. What
-the decoder's kernels share too is in `kernel_base`. Letter key as `long_attention`."""
+"""Building blocks of the fused encoder attention kernels (`encoder`, `encoder_grad`): block
+specs over [B, L, H, K] arrays and the masked scores of a query block against its local and
+side keys, shared by the forward and backward kernels (the geometry is `encoder_geometry`'s).
+Letter key as `model.long_attention`."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from typing import NamedTuple
@@ -14,132 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from longt5_jax.model import kernel_base as base
-from longt5_jax.model.layers import SIDE_KEYS
-
-
-class Side(NamedTuple):
-    """TGlobal's side keys and what masks and biases them."""
-
-    k_BGHK: jax.Array
-    v_BGHK: jax.Array
-    bias_HD: jax.Array  # [H, 2G] float32 side bias by distance g - block_id + G - 1
-    block_ids: jax.Array  # [B, L] int32, the global block of each token (-1: none)
-    global_segment_ids: jax.Array  # [B, G] int32
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Static shapes of one call."""
-
-    batch: int
-    heads: int
-    head_dim: int
-    w: int  # block length W
-    n: int  # blocks N
-    g: int  # side keys G (0: Local, or inputs shorter than a global block)
-    c: int  # side keys per chunk
-    u: int  # one-hot rows for the side bias gradient
-    kb: int  # keys per chunk of a local key block (W / kb chunks a block)
-    gp: int  # side keys padded to whole chunks of the call's widest C (0: none)
-    rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
-    split: int = 1  # programs a query block of the forward and dq (`splits`), each qw rows
-    looped: bool = False  # the forward's and dq's local keys in a loop (`local_keys`)
-
-    @property
-    def parts(self) -> int:
-        """Parts of kb keys a local key block is taken in."""
-        return self.w // self.kb
-
-    @property
-    def qw(self) -> int:
-        """Query rows a program of the forward and dq holds."""
-        return self.w // self.split
-
-    @property
-    def local_chunks(self) -> list[tuple[int, int]]:
-        """(key block c of 0-2, part of it) of a query block's local keys, kb at a time."""
-        return [(c, part) for c in range(3) for part in range(self.parts)]
-
-    def beyond(self, c: int, part: int) -> tuple[int, ...]:
-        """The parts of a query block (of `split`) whose every query is beyond the radius (W - 1)
-        of every key of part `part` of key block n - 1 + c: their scores are all NEG, so they
-        skip that chunk (at W = 128 and split 2, one chunk in six)."""
-        keys = (part * self.kb, (part + 1) * self.kb - 1)  # first and last, within the block
-
-        def nearest(s):  # the least |query - key| over part s of the queries and those keys
-            rows = (s * self.qw, (s + 1) * self.qw - 1)
-            if c == 0:
-                return self.w + rows[0] - keys[1]
-            return self.w + keys[0] - rows[1] if c == 2 else 0
-
-        return tuple(s for s in range(self.split) if nearest(s) > self.w - 1)
-
-    @property
-    def rb(self) -> int:
-        """Query blocks R whose local bias gradient one program sums: the largest of 8, 4, 2
-        dividing N that leaves DBIAS_PROGRAMS programs (H N / R) to fill the GPU, so the
-        [H, N / R, W, 3W] float32 partial sums XLA then adds up are R times smaller (at base
-        16k, 302 MB a layer written and read back with R = 1)."""
-        n, h = self.n, self.heads
-        return next((r for r in (8, 4, 2) if n % r == 0 and h * n // r >= DBIAS_PROGRAMS), 1)
-
-    def flops(self, local_matmuls: int, side_matmuls: int) -> int:
-        """Tensor-core FLOPs of a kernel doing these [qw, K] x [K, keys] matmuls per part of a
-        query block (the local keys it does not skip, `beyond`)."""
-        local = sum(self.split - len(self.beyond(*chunk)) for chunk in self.local_chunks)
-        per_block = (
-            2 * self.qw * self.head_dim * self.kb * local * local_matmuls
-            + 2 * self.w * self.head_dim * self.gp * side_matmuls
-        )
-        return self.batch * self.heads * self.n * per_block
-
-    def kernel(self, part: str) -> str:
-        """The name of this geometry's kernel `part` (fwd, dq, dkv, dbias, dside): Local's
-        (no side keys) apart from TGlobal's, as their launch settings differ (`kernel_base.LAUNCH`)
-        and a profile tells them apart."""
-        return f"encoder_{'' if self.g else 'local_'}attention_{part}"
-
-    def splits(self, name: str) -> Geometry:
-        """This geometry for kernel `name`, its query blocks split as its launch settings say
-        (`kernel_base.split_of`) where a part is a whole tile: the local key parts' size, at
-        least 16 rows. Why: a program of W = 128 rows and 8 warps holds an H100's registers
-        alone; two of 64 rows and 4 warps fit one SM together and wait on nothing of each
-        other's, and each skips the local keys beyond all its queries (`beyond`). Measured on
-        an H100 (`kernel_base.LAUNCH`): Local's gain (three an SM), TGlobal's did not (two an
-        SM, taking 64 side keys at a time). A split program takes side keys 32 at a time:
-        TGlobal's dq then fits three an SM (158 registers, against 174 with 64; its forward
-        178, two an SM; ptxas, sm_90a, base 16k). Not yet timed. Where the launch gives the keys
-        a tile (`kernel_base.keys_of`), they are capped so (tiles of 16 keys or more: fewer
-        registers a thread, more programs an SM, more instructions a key) and the local keys
-        are taken in a loop (`local_keys`)."""
-        split = base.split_of(name)
-        if split == 1 or self.w % split or self.w // split != self.kb or self.kb < 16:
-            geo = dataclasses.replace(self, split=1)
-        else:
-            geo = dataclasses.replace(self, split=split, c=min(self.c, 32))
-        keys = base.keys_of(name)
-        kb = keys if 16 <= keys < geo.kb and self.w % keys == 0 else geo.kb
-        # Any power of two below C divides the padded side keys (whole chunks of C).
-        c = keys if 16 <= keys < geo.c and keys & (keys - 1) == 0 else geo.c
-        return dataclasses.replace(geo, kb=kb, c=c, looped=bool(keys))
-
-
-def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
-    b, length, h, k = q_BLHK.shape
-    c = min(64, max(16, base.pow2(g))) if g else 16
-    # The global blocks a window of W tokens meets: each has >= global_block tokens, so at most
-    # ceil((W - 1) / global_block) + 1 of them, plus row 0 for tokens in none.
-    u = max(16, base.pow2(2 + -(-(w - 1) // global_block)))
-    # A local key block is taken half at a time where a half is a whole tile (16 keys or more):
-    # the score tiles are [W, W / 2] as the side keys' are [W, C], which halves what each thread
-    # holds (at W = 128 with [W, W] tiles every kernel used all 255 registers and spilled;
-    # ptxas, sm_90a).
-    kb = w // 2 if w % 2 == 0 and w >= 32 else w
-    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, -(-g // c) * c, rate)
-
-
-DBIAS_PROGRAMS = 256
+from longt5_jax.kernels import call, softmax
+from longt5_jax.kernels.dropout import SIDE_KEYS, Drop
+from longt5_jax.kernels.encoder_geometry import Geometry, Side
 
 
 def _rows(geo: Geometry, rows: int) -> tuple[int, int]:
@@ -249,7 +125,7 @@ def side_slab(geo: Geometry, rows: SideRows, j, h, b, gseg_ref, sbias_ref):
     blocks = rows.first - 1 + jnp.arange(geo.u)
     index = jnp.clip(g[None, :] - blocks[:, None] - 1 + geo.g, 0, 2 * geo.g - 1)
     same = rows.segments[:, None] == gseg_ref[b, pl.ds(j * geo.c, geo.c)][None, :]
-    return jnp.where(same, sbias_ref[h, index], base.NEG)
+    return jnp.where(same, sbias_ref[h, index], softmax.NEG)
 
 
 def local_columns(geo: Geometry, c, part):
@@ -268,7 +144,7 @@ def side_chunk(geo: Geometry, q, j, b, h, rows: SideRows, side_refs):
     keys = pl.ds(j * geo.c, geo.c)
     slab = side_slab(geo, rows, j, h, b, gseg_ref, sbias_ref)
     k = sk_ref[b, keys, h, :]
-    s = base.select_sum(rows.onehot, slab, into=base.dot(q, k, trans_b=True))
+    s = softmax.select_sum(rows.onehot, slab, into=softmax.dot(q, k, trans_b=True))
     return s, k, sv_ref[b, keys, h, :]
 
 
@@ -279,11 +155,11 @@ def split_refs(geo: Geometry, inputs, fixed: int):
     return inputs[:fixed], inputs[fixed : len(inputs) - len(drop)], drop
 
 
-def with_drop(geo: Geometry, specs: list, arrays: list, drop: base.Drop | None):
+def with_drop(geo: Geometry, specs: list, arrays: list, drop: Drop | None):
     """The dropout's arrays (whole) appended to a kernel's inputs when it drops out."""
     if not geo.rate:
         return specs, arrays
-    return specs + [base.whole()] * 3, arrays + list(drop)
+    return specs + [call.whole()] * 3, arrays + list(drop)
 
 
 def query_ids(geo: Geometry, n, rows: int = 0):
@@ -308,7 +184,7 @@ def local_inputs(geo: Geometry, q, k, v, seg, bias):
     keys = [tile(geo, s - 1, per=per) for s in range(3)]
     rows = [row(geo, s - 1, per=per) for s in range(3)]
     if geo.looped:
-        keys = rows = [base.whole()] * 3
+        keys = rows = [call.whole()] * 3
     specs = [tile(geo, rows=qw), *keys, *keys, row(geo, rows=qw), *rows, bias_spec(geo, rows=qw)]
     return specs, [q, k, k, k, v, v, v, seg, seg, seg, seg, bias]
 
@@ -340,7 +216,7 @@ def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
 
     def chunk(state, c, part, load):  # load(refs): the chunk's keys of one of the three
         k = load(k_refs)
-        s = base.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
+        s = softmax.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
         s = local_masked(geo, s, n, c, part, seg_q, load(sk_refs))
         return fn(state, s, k, load(v_refs), local_key_ids(geo, n, c, part))
 
@@ -368,5 +244,5 @@ def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
 
 def side_inputs(geo: Geometry, side: Side, gq):
     """In-specs and arrays of the side keys, for the grid of `local_inputs`."""
-    specs = [base.whole(), base.whole(), row(geo, rows=geo.qw), base.whole(), base.whole()]
+    specs = [call.whole(), call.whole(), row(geo, rows=geo.qw), call.whole(), call.whole()]
     return specs, [side.k_BGHK, side.v_BGHK, gq, side.global_segment_ids, side.bias_HD]

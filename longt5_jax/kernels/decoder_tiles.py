@@ -1,0 +1,95 @@
+"""The static tiles of one call of the decoder's fused attention (`decoder`) and their block
+specs over [B, T, H, K] arrays. Letter key as `decoder`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from longt5_jax.kernels import launch, placement
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Static shapes of one call."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    tq: int  # query tile Q
+    tk: int  # key tile C
+    t: int  # queries, padded to whole tiles
+    s: int  # keys, padded to whole tiles
+    mask_rows: int  # T, or 1 for a mask shared by every query
+    bias: bool
+    rate: float = 0.0  # attention dropout (the kernels then take `dropout.Drop`'s arrays last)
+    parts: int = 1  # programs a query tile's keys are split among (`split`)
+
+    def flops(self, matmuls: int) -> int:
+        return 2 * matmuls * self.batch * self.heads * self.t * self.s * self.head_dim
+
+    def split(self, name: str) -> Tiles:
+        """This call for kernel `name`, each query tile's keys split into parts of whole key
+        tiles as its launch settings say (`launch.split_of`), a program each. Why: at 512
+        targets the forward and dq run B x H x 8 programs (192 at base 16k) where an H100's 132
+        SMs hold 2-4 each (0.4-0.7 waves, `bench sass`), each looping over every key tile (256
+        over 16k encoder tokens). The parts' outputs are combined outside (`_combine`, a sum
+        for dq), from [P, ...] float32 arrays: more bytes, so off until a GPU times it. Only
+        where the keys outnumber the queries (cross-attention over a longer input): those
+        bytes grow with the queries, the work a program saves with the keys, and a
+        self-attention's grid grows with its keys (`bench roofline`: half the split's bytes)."""
+        parts = launch.split_of(name)
+        split = self.s > self.t and (self.s // self.tk) % parts == 0
+        return dataclasses.replace(self, parts=parts if split else 1)
+
+    def key_tiles(self, part) -> tuple:
+        """The first and the end key tile of `part` (a program id)."""
+        per = self.s // self.tk // self.parts
+        return part * per, (part + 1) * per
+
+    def program(self, p) -> tuple:
+        """(query tile, part) of the forward's and dq's program id p."""
+        return p // self.parts, p % self.parts
+
+
+def query_tile(tl: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec(
+        (None, tl.tq, None, tl.head_dim), lambda b, h, p: (b, tl.program(p)[0], h, 0)
+    )
+
+
+def out_tile(tl: Tiles) -> pl.BlockSpec:
+    """Where a program of the forward or dq writes its [Q, K] tile: in the output, or, split,
+    in its part of the [P, B, T, H, K] float32 parts (`_out`)."""
+    if tl.parts == 1:
+        return query_tile(tl)
+    return pl.BlockSpec(
+        (None, None, tl.tq, None, tl.head_dim),
+        lambda b, h, p: (tl.program(p)[1], b, tl.program(p)[0], h, 0),
+    )
+
+
+def out_type(tl: Tiles, shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """An output of the forward or dq: `shape` in `dtype`, or, split, [P, *shape] float32."""
+    if tl.parts == 1:
+        return placement.out(shape, dtype, like)
+    return placement.out((tl.parts, *shape), jnp.float32, like)
+
+
+def key_tile(tl: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((None, tl.tk, None, tl.head_dim), lambda b, h, j: (b, j, h, 0))
+
+
+def stat(tl: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, tl.tq), lambda b, h, p: (b, h, tl.program(p)[0]))
+
+
+def out_stat(tl: Tiles) -> pl.BlockSpec:
+    if tl.parts == 1:
+        return stat(tl)
+    return pl.BlockSpec(
+        (None, None, None, tl.tq), lambda b, h, p: (tl.program(p)[1], b, h, tl.program(p)[0])
+    )
