@@ -6,12 +6,14 @@ file or binding; values are checked against the dataclass field types.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import sys
 import tokenize
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import gin
@@ -24,7 +26,9 @@ CONFIGURABLE = {
     cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in SECTIONS.values()
 }
 # Gin names that were renamed, old -> new, kept working for one release: a binding to the old
-# name still applies (the new name's own bindings win) and says once what to write instead.
+# name still applies and says once what to write instead. On the command line it is the new
+# name's (so it wins over a file's, as any binding given there does); in a file, the new name's
+# own bindings win.
 RENAMED = {"MeshConfig": "ParallelConfig"}
 for _old, _new in RENAMED.items():
     gin.external_configurable(next(c for c in SECTIONS.values() if c.__name__ == _new), name=_old)
@@ -63,8 +67,10 @@ def parse(files: Sequence[str], bindings: Sequence[str] = ()) -> None:
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f"{f}: gin file not found")
+    bindings = [_renamed_binding(b) for b in bindings]
     try:
-        gin.parse_config_files_and_bindings(list(files), list(bindings))
+        with _gin_logs_quiet():
+            gin.parse_config_files_and_bindings(list(files), bindings)
     except (SyntaxError, tokenize.TokenError) as e:
         raise ConfigError(_unparsable(files, bindings, e)) from None
     except (ValueError, KeyError, OSError) as e:
@@ -79,18 +85,68 @@ def parse(files: Sequence[str], bindings: Sequence[str] = ()) -> None:
         raise ConfigError(f"{first} ({where})" if where else first) from None
 
 
+@contextlib.contextmanager
+def _gin_logs_quiet() -> Iterator[None]:
+    """gin logs a missing include on the root logger ('ERROR:root:Path not found: ...') before it
+    raises the error said here in one line: its records are dropped, and a placeholder handler
+    keeps `logging.error` from installing a stderr handler of its own on the way."""
+    root, placeholder = logging.getLogger(), logging.NullHandler()
+    root.addHandler(placeholder)
+    root.addFilter(_not_gin)
+    try:
+        yield
+    finally:
+        root.removeFilter(_not_gin)
+        root.removeHandler(placeholder)
+
+
+def _not_gin(record: logging.LogRecord) -> bool:
+    return not record.pathname.startswith(_GIN_DIR)
+
+
+_GIN_DIR = str(Path(gin.__file__).parent)
+
+
+def _renamed_binding(binding: str) -> str:
+    """A command-line binding to a renamed gin name, made to the new name (said once)."""
+    name = binding.split("=", 1)[0].strip()
+    scope, _, selector = name.rpartition("/")
+    old, _, field = selector.partition(".")
+    if old not in RENAMED or not field:
+        return binding
+    new = RENAMED[old]
+    _deprecated(old, new, field)
+    return f"{scope + '/' if scope else ''}{new}.{field} ={binding.split('=', 1)[1]}"
+
+
+def _deprecated(old: str, new: str, field: str) -> None:
+    if old not in _WARNED:
+        _WARNED.add(old)
+        print(
+            f"warning: {old}.{field}: the gin name {old} is deprecated, write {new}.{field} "
+            "(the old name works for this release only)",
+            file=sys.stderr,
+        )
+
+
 def _unparsable(files: Sequence[str], bindings: Sequence[str], error: Exception) -> str:
-    """The binding or file that is not gin, found by parsing each alone (gin's own error does
-    not say which: a binding's unclosed bracket reads as the end of a multi-line statement)."""
+    """The binding or file (and line) that is not gin. gin's error names the file and line where
+    one is given; where not, each is parsed alone (a binding's unclosed bracket reads as the end
+    of a multi-line statement, and an unclosed bracket at a file's end names neither)."""
+    where = getattr(error, "filename", None)
+    if isinstance(error, SyntaxError) and where and Path(where).is_file():
+        return f"{where}, line {error.lineno}: not valid gin ({error.msg})"
     delegate = gin.config.ParserDelegate(skip_unknown=True)
-    texts = [(f"--gin.{b.replace(' = ', '=', 1)}", b) for b in bindings]
-    texts += [(f, Path(f).read_text()) for f in files]
-    for name, text in texts:
+    texts = [(f"--gin.{b.replace(' = ', '=', 1)}", b, False) for b in bindings]
+    texts += [(f, Path(f).read_text(), True) for f in files]
+    for name, text, is_file in texts:
         try:
             list(gin.config_parser.ConfigParser(text, delegate))
         except (SyntaxError, tokenize.TokenError) as e:
-            reason = e.msg if isinstance(e, SyntaxError) else e.args[0]
-            return f"{name}: not valid gin ({reason})"
+            reason, line = (e.msg, e.lineno) if isinstance(e, SyntaxError) else e.args
+            if isinstance(line, tuple):  # tokenize's (line, column)
+                line = line[0]
+            return f"{name}{f', line {line}' if is_file else ''}: not valid gin ({reason})"
     return f"not valid gin ({error})"
 
 
@@ -140,14 +196,8 @@ def _renamed_bindings(name: str, bound: set[str]) -> dict[str, typing.Any]:
     found = {}
     for old in (o for o, new in RENAMED.items() if new == name):
         legacy = gin.get_bindings(old)
-        if legacy and old not in _WARNED:
-            _WARNED.add(old)
-            field = next(iter(legacy))
-            print(
-                f"warning: {old}.{field}: the gin name {old} is deprecated, write {name}.{field} "
-                "(the old name works for this release only)",
-                file=sys.stderr,
-            )
+        if legacy:
+            _deprecated(old, name, next(iter(legacy)))
         found |= {k: v for k, v in legacy.items() if k not in bound}
     return found
 
@@ -173,6 +223,15 @@ def _describe(hint: typing.Any) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(h) for h in typing.get_args(hint))
     return "None" if hint is type(None) else hint.__name__
+
+
+def bound(name: str) -> dict[str, typing.Any]:
+    """The values the parsed gin files and bindings give the fields of the configurable `name`
+    (macros resolved), whether or not the command builds it."""
+    try:
+        return gin.get_bindings(name)
+    except (ValueError, KeyError) as e:  # an unresolvable reference: said where it is built
+        raise ConfigError(" ".join(str(e).split())) from None
 
 
 def operative_config() -> str:

@@ -23,11 +23,12 @@ from longt5_jax.data.pipeline import global_batch
 from longt5_jax.data.sources import expand
 from longt5_jax.errors import UsageError
 from longt5_jax.formats.atomic import write_atomic
-from longt5_jax.formats.native import resolve, step_of
+from longt5_jax.formats.native import model_config, resolve, step_of
 from longt5_jax.infer import evaluation
 from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
 from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.identity import FREE_FIELDS
 from longt5_jax.training.step import Evaluator
 
 
@@ -55,6 +56,19 @@ def _configure(argv: list[str], step_dir: Path) -> Experiment:
         file_required="--gin_file is required (a run's MODEL_DIR/config.gin works)",
     )
     return cfg
+
+
+def _check_model(step_dir: Path) -> None:
+    """The model the gin files and bindings describe, where they describe one, is the
+    checkpoint's: the checkpoint's is what runs, and a contradiction would pass unseen."""
+    saved = dataclasses.asdict(model_config(step_dir))
+    for field, value in configuration.bound("LongT5Config").items():
+        if field in saved and field not in FREE_FIELDS and value != saved[field]:
+            raise UsageError(
+                f"LongT5Config.{field} = {value!r} contradicts --checkpoint={step_dir}, whose "
+                f"{field} is {saved[field]!r}: the checkpoint's model is what is evaluated; drop "
+                "the binding or give a checkpoint of that model"
+            )
 
 
 def _output_dir(args: argparse.Namespace, step_dir: Path) -> Path:
@@ -139,6 +153,7 @@ def _main(argv: list[str]) -> int:
         raise UsageError(f"--output_dir={args.output_dir}: a file, expected a directory")
     step_dir = resolve(args.checkpoint)
     cfg = _configure(rest, step_dir)
+    _check_model(step_dir)
     _check_outputs(args, rest, cfg, step_dir)
     cpu_devices(cfg.run.cpu_devices)
     metrics = evaluate(args, cfg, step_dir)

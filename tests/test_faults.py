@@ -1,5 +1,7 @@
 """Faults a run meets, each ending in one line with what was saved kept: a full disk during a
-save, a signal at any moment (start-up and the first compile included), the data running out.
+save or under the logs, a signal at any moment (start-up and the first compile included; a
+closed terminal's SIGHUP as SLURM's SIGTERM), the data running out, bad gin files, another
+model's parameters, and contradictions and bad numbers on the other commands' command lines.
 
 Signals at a chosen moment are raised by the process itself (deterministic, in this process);
 the full disk and a signal at a moment the clock picks run as a user runs them, in processes of
@@ -11,15 +13,20 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from test_safety import STEPS, _run, _start
+from reference import random_params
+from test_safety import STEPS, _run, _snapshot, _start, _until
 from test_train import TINY_RUN, child_env, train_command
 
-from longt5_jax import train
+from longt5_jax import configuration, train
+from longt5_jax.bench.__main__ import main as bench_main
+from longt5_jax.ckpt.convert import write_native
+from longt5_jax.model import LongT5Config
 from longt5_jax.training.periodic_eval import PeriodicEval
 from longt5_jax.training.step import ShardedStep
 
@@ -62,13 +69,15 @@ def test_a_signal_during_start_up_ends_cleanly_and_writes_nothing(tmp_path, monk
     assert "Traceback" not in out.err and not (tmp_path / "run").exists()
 
 
-def test_a_signal_during_the_first_compile_saves_the_first_step(tmp_path, monkeypatch, capsys):
-    """SIGTERM as the first step is being compiled: that step finishes, is saved, and the run
-    exits 0; the same command resumes from it."""
-    _raise_before(monkeypatch, ShardedStep, "__call__", signal.SIGTERM)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_during_the_first_compile_saves_the_first_step(tmp_path, monkeypatch, capsys, sig):
+    """SIGTERM (or SIGHUP: the terminal closed) as the first step is being compiled: that step
+    finishes, is saved, and the run exits 0; the same command resumes from it."""
+    _raise_before(monkeypatch, ShardedStep, "__call__", sig)
     assert train.main(_tiny(tmp_path / "run")) == 0
     out = capsys.readouterr()
-    assert "SIGTERM: saved step 1; rerun the same command to resume" in out.out, out.out
+    name = signal.Signals(sig).name
+    assert f"{name}: saved step 1; rerun the same command to resume" in out.out, out.out
     assert _steps(tmp_path / "run") == [1] and (tmp_path / "run" / "checkpoints" / "1").is_dir()
     monkeypatch.undo()
     assert train.main(_tiny(tmp_path / "run")) == 0
@@ -163,3 +172,186 @@ def test_a_signal_at_a_moment_the_clock_picks_ends_cleanly(tmp_path, env):
     else:
         assert "SIGTERM: saved step 1; rerun the same command to resume" in out, out
         assert _steps(run) == [1] and (run / "checkpoints" / "1" / "state").is_dir()
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_saves_the_step_and_exits_0(tmp_path, env):
+    """SIGHUP to a real run (its terminal closed, its ssh session dropped) mid-training: the
+    step in flight is saved, exit 0, and the same command resumes from it."""
+    run = tmp_path / "run"
+    proc = _start(train_command(run, *STEPS, "--gin.RunConfig.train_steps=400"), env)
+    try:
+        _until(proc, "step      2/400")
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("SIGHUP: saved step ")]
+    saved = int(line.split()[3].rstrip(";"))
+    assert (run / "checkpoints" / str(saved) / "state").is_dir()
+    assert _steps(run) == list(range(1, saved + 1))
+
+
+def _fill(where: Path) -> None:
+    """Write to `where` until its filesystem is full."""
+    with (where / "filler").open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log", ["tensorboard", "metrics.jsonl"])
+def test_a_full_disk_under_the_logs_saves_the_step_in_one_line(small_disk, tmp_path, env, log):
+    """The disk under TensorBoard's events (or metrics.jsonl) fills mid-run, the checkpoints'
+    has room: the step is saved there, one line names the log and the step, exit 1; with room
+    again the same command resumes from that step."""
+    if log == "tensorboard":  # the run's directory has room, its TensorBoard files do not
+        run = tmp_path / "run"
+        run.mkdir()
+        (small_disk / "tensorboard").mkdir()
+        (run / "tensorboard").symlink_to(small_disk / "tensorboard")
+        path = run / "tensorboard"
+    else:  # the run's directory has no room, its checkpoints and TensorBoard files do
+        run = small_disk / "run"
+        run.mkdir()
+        for name in ("checkpoints", "tensorboard"):
+            (tmp_path / name).mkdir()
+            (run / name).symlink_to(tmp_path / name)
+        path = run / "metrics.jsonl"
+    command = train_command(run, *STEPS, "--gin.RunConfig.train_steps=400")
+    proc = _start(command, env)
+    try:
+        _until(proc, "step      2/400")
+        _fill(small_disk)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
+    head = f"error: {path}: No space left on device; step "
+    assert lines[0].startswith(head) and lines[0].endswith(
+        f" is saved in {run}/checkpoints: make room there and rerun the same command to resume"
+    ), lines[0]
+    saved = int(lines[0].removeprefix(head).split()[0])
+    assert saved > 2 and (run / "checkpoints" / str(saved) / "state").is_dir()
+    if log == "tensorboard":  # every step trained is logged up to the one saved
+        assert _steps(run) == list(range(1, saved + 1))
+    (small_disk / "filler").unlink()
+    again = _run([*command[:-2], f"--gin.RunConfig.train_steps={saved + 1}", command[-1]], env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from step {saved} " in again.stdout
+    assert _steps(run)[-1] == saved + 1
+
+
+BAD_GIN = {  # file -> its text; each includes the next where it says so
+    "syntax.gin": "MODEL_DIR = '/tmp/x'\nRunConfig.train_steps = 3 4\n",
+    "outer.gin": "include '{tmp}/syntax.gin'\n",
+    "missing.gin": "MODEL_DIR = '/tmp/x'\ninclude '{tmp}/absent.gin'\n",
+}
+
+
+@pytest.mark.parametrize("name", ["syntax.gin", "outer.gin"])
+def test_a_gin_syntax_error_is_one_line_naming_the_file_and_line(tmp_path, capsys, name):
+    """A gin syntax error names the file (an included one's own, not the file given) and the
+    line; nothing is written."""
+    for file, text in BAD_GIN.items():
+        (tmp_path / file).write_text(text.format(tmp=tmp_path))
+    assert train.main([f"--gin_file={tmp_path / name}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path}/syntax.gin, line 2: not valid gin (Expected newline.)"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(BAD_GIN)
+
+
+def test_a_missing_gin_include_is_our_one_line_only(tmp_path, env):
+    """gin logs 'ERROR:root:Path not found' before raising; only our line is printed."""
+    (tmp_path / "missing.gin").write_text(BAD_GIN["missing.gin"].format(tmp=tmp_path))
+    command = [sys.executable, "-m", "longt5_jax.train", f"--gin_file={tmp_path}/missing.gin"]
+    done = _run(command, env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"error: Unable to open file: {tmp_path}/absent.gin. ")
+    assert [p.name for p in tmp_path.iterdir()] == ["missing.gin"]
+
+
+def _tiny_config(*bindings: str) -> LongT5Config:
+    """The tiny run's model (demo.gin with TINY_RUN's bindings), with `bindings` besides."""
+    tiny = [a.removeprefix("--gin.").replace("=", " = ", 1) for a in TINY_RUN[1:]]
+    configuration.parse(["configs/demo.gin"], [*tiny, "MODEL_DIR = '/tmp/x'", *bindings])
+    return configuration.build(LongT5Config)
+
+
+def test_init_from_another_model_is_one_line_with_the_count(tmp_path, capsys):
+    """`init_from` a checkpoint of another width: every array differs; one line counts them
+    and names the first few, naming the setting; nothing is written to MODEL_DIR."""
+    narrow = _tiny_config("LongT5Config.d_model = 32")
+    write_native(tmp_path / "narrow", narrow, random_params(narrow), "test")
+    run = tmp_path / "run"
+    argv = _tiny(run, f"--gin.CheckpointConfig.init_from='{tmp_path / 'narrow'}'")
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {tmp_path}/narrow/checkpoints/0: a checkpoint of another ")
+    assert "params/decoder/decoder_norm/scale (32,) vs (64,), " in err
+    assert err.count(" vs (") == 6 and " and 22 more (28 arrays differ): " in err, err
+    assert err.endswith(f"init_from='{tmp_path / 'narrow'}' holds another model's parameters")
+    assert not run.exists()
+
+
+def test_evaluate_refuses_a_model_binding_the_checkpoint_contradicts(tmp_path, env):
+    """`evaluate --gin.LongT5Config.d_model=32` on a checkpoint of width 64: one line naming
+    the binding and the checkpoint's value, exit 2, nothing written."""
+    config = _tiny_config()
+    write_native(tmp_path / "ckpt", config, random_params(config), "test")
+    before = _snapshot(tmp_path)
+    tiny = [a for a in TINY_RUN if a.startswith(("--gin_file", "--gin.LongT5Config"))]
+    done = _run(
+        [sys.executable, "-m", "longt5_jax.evaluate", *tiny, f"--checkpoint={tmp_path / 'ckpt'}",
+         "--gin.LongT5Config.d_model=32"],
+        env,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"error: LongT5Config.d_model = 32 contradicts --checkpoint={tmp_path}/ckpt/checkpoints/0"
+        ", whose d_model is 64: "
+    ), done.stderr
+    assert _snapshot(tmp_path) == before
+
+
+def test_bench_speed_refuses_a_negative_batch_in_one_line(tmp_path, env):
+    """`bench speed --batch_size=-2` (an IndexError traceback once): one line, exit 2, before
+    any work."""
+    command = [sys.executable, "-m", "longt5_jax.bench", "speed", "--batch_size=-2"]
+    done = _run([*command, f"--out_dir={tmp_path}"], env)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "error: python -m longt5_jax.bench speed: argument --batch_size: expected an integer "
+        ">= 1, got -2 (see --help)\n",
+    )
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["speed", "--settle_steps=-1"],
+            "speed: argument --settle_steps: expected an integer >= 0",
+        ),
+        (["decode", "--beams", "0"], "decode: argument --beams: expected an integer >= 1, got 0"),
+        (["offload", "--zero", "4"], "offload: argument --zero: invalid choice: 4"),
+        (["cluster", "--batch_size=0"], "cluster: argument --batch_size: expected an integer >= 1"),
+        (["strategy", "--efficiency=1.5"], "strategy: argument --efficiency: expected a number in"),
+    ],
+)
+def test_a_benchmark_refuses_a_bad_number_in_one_line(tmp_path, capsys, args, line):
+    """A negative step count, a beam count of 0, a ZeRO stage that does not exist, an
+    efficiency over 1: one line naming the flag, exit 2, before any work."""
+    assert bench_main([*args, f"--out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: python -m longt5_jax.bench {line}") and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())

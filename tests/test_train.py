@@ -80,6 +80,59 @@ def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step      4/4  loss" in out
     assert " devices, attention_kernel=xla\n" in out
+    summary = out[out.index("run summary: ") :].splitlines()
+    assert summary[0].startswith("run summary: trained steps 1-4 of 4 in ")
+    assert " tokens/s after the first step" in summary[0]
+    assert summary[1].startswith(f"  train        step 4: loss {rows[-1]['loss']:.4f}  grad_norm ")
+    assert summary[2:] == _files(tmp_path, 4)
+
+
+def _files(model_dir: Path, step: int) -> list[str]:
+    """The summary's lines on where a run's files are and the commands that use them."""
+    return [
+        f"  checkpoints  {model_dir}/checkpoints (newest: step {step})",
+        f"  metrics      {model_dir}/metrics.jsonl",
+        f"  TensorBoard  tensorboard --logdir {model_dir}/tensorboard",
+        f"  evaluate     python -m longt5_jax.evaluate --gin_file={model_dir}/config.gin "
+        f"--checkpoint={model_dir}",
+        f"  predict      python -m longt5_jax.predict --checkpoint={model_dir} "
+        "--input=DOCS.jsonl --output=PREDICTIONS.jsonl",
+        f"  export       python -m longt5_jax.ckpt convert native-to-hf {model_dir} HF_DIR",
+    ]
+
+
+def _files_on_disk(model_dir: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `model_dir`: when it was last written, and what it holds."""
+    return {
+        str(p.relative_to(model_dir)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_rerun_of_a_finished_run_says_so_and_fewer_steps_are_refused(tmp_path, capsys):
+    """The same command again: nothing left to train, said with where the files are; with
+    RunConfig.train_steps below the saved step: refused in one line. Neither writes anything
+    (config.gin, TensorBoard, metrics.jsonl and the checkpoints as they were)."""
+    argv = [*TINY_RUN, "--gin.RunConfig.train_steps=2", f"--gin.MODEL_DIR='{tmp_path}'"]
+    assert train.main(argv) == 0
+    capsys.readouterr()
+    before = _files_on_disk(tmp_path)
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == [
+        f"nothing left to train: step 2 of RunConfig.train_steps=2 is saved in {tmp_path}/"
+        "checkpoints; raise RunConfig.train_steps to train on",
+        *_files(tmp_path, 2),
+    ]
+    assert _files_on_disk(tmp_path) == before
+    assert train.main([*argv, "--gin.RunConfig.train_steps=1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: RunConfig.train_steps=1 is below step 2 saved in {tmp_path}/checkpoints: nothing "
+        "was changed; set RunConfig.train_steps >= 2 to train on, or another MODEL_DIR to start "
+        "anew"
+    ]
+    assert _files_on_disk(tmp_path) == before
 
 
 @pytest.mark.slow
@@ -159,14 +212,13 @@ def test_print_config_shows_the_resolved_bindings(capsys):
     assert "MODEL_DIR = '/tmp/x'" in out
 
 
-def test_the_old_gin_name_of_the_parallel_config_still_binds_with_one_notice(capsys):
+def test_the_old_gin_name_of_the_parallel_config_still_binds_with_one_notice(tmp_path, capsys):
     configuration._WARNED.clear()
-    configuration.parse(
-        ["configs/parallel/dp4_tp2.gin"],
-        ["MeshConfig.offload = 'optimizer'", "MeshConfig.tensor = 4"],
-    )
+    # In a file, the old name fills what the new one leaves unset; the new name's own win.
+    old = tmp_path / "old.gin"
+    old.write_text("MeshConfig.offload = 'optimizer'\nMeshConfig.tensor = 4\n")
+    configuration.parse(["configs/parallel/dp4_tp2.gin", str(old)])
     built = configuration.build(ParallelConfig)
-    # The old name fills what the new one leaves unset; the new name's own bindings win.
     assert (built.data, built.tensor, built.offload) == (4, 2, "optimizer")
     configuration.build(ParallelConfig)
     err = capsys.readouterr().err.splitlines()
@@ -177,6 +229,20 @@ def test_the_old_gin_name_of_the_parallel_config_still_binds_with_one_notice(cap
     configuration.parse([], ["MeshConfig.tensor = 'two'"])
     with pytest.raises(configuration.ConfigError, match="tensor = 'two': expected int"):
         configuration.build(ParallelConfig)
+
+
+def test_an_old_gin_name_on_the_command_line_wins_over_the_files_new_one(capsys):
+    """`--gin.MeshConfig.data=2` on the demo (whose file binds ParallelConfig.data = 4): the
+    run's mesh is the one asked for, as with any command-line binding, and the old name is
+    announced once."""
+    configuration._WARNED.clear()
+    argv = ["--gin_file=configs/demo.gin", "--gin.MODEL_DIR='/tmp/x'", "--gin.MeshConfig.data=2"]
+    exp, _ = configuration.from_args([*argv, "--gin.MeshConfig.tensor=4"], ("parallel",))
+    assert (exp.parallel.data, exp.parallel.tensor) == (2, 4)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: MeshConfig.data: the gin name MeshConfig is deprecated, write "
+        "ParallelConfig.data (the old name works for this release only)"
+    ]
 
 
 def _gin_files(folder):

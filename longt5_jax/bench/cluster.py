@@ -57,10 +57,12 @@ def parser(
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--attention", default="tglobal")
     p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--target_length", type=int, default=512)
-    p.add_argument("--batch_size", type=int, default=512, help="global batch")
-    p.add_argument("--accumulation", type=int, default=4, help="gradient accumulation microbatches")
-    p.add_argument("--pipeline_microbatches", type=int, default=16)
+    p.add_argument("--target_length", type=cli.positive, default=512)
+    p.add_argument("--batch_size", type=cli.positive, default=512, help="global batch")
+    p.add_argument(
+        "--accumulation", type=cli.positive, default=4, help="gradient accumulation microbatches"
+    )
+    p.add_argument("--pipeline_microbatches", type=cli.positive, default=16)
     p.add_argument("--remat", default="full")
     targets.add_dtype_argument(p)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
@@ -68,13 +70,17 @@ def parser(
         "--grad_dtype", default="float32", choices=["float32", "bfloat16"],
         help="the gradient reduction's dtype (bfloat16: the paper's half-precision gradients)",
     )  # fmt: skip
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the pessimistic bound")
     p.add_argument(
-        "--peak_tflops", type=float, help="per GPU, dense, in --dtype (default: the target's)"
+        "--mfu", type=cli.fraction, default=0.4, help="assumed MFU of the pessimistic bound"
     )
-    p.add_argument("--hbm_gbps", type=float, help="per GPU (default: the target's)")
-    p.add_argument("--intra_node_gbps", type=float, help="per GPU (default: the target's NVLink)")
-    p.add_argument("--inter_node_gbps", type=float, help="per GPU (default: the target's NIC)")
+    p.add_argument(
+        "--peak_tflops", type=cli.rate, help="per GPU, dense, in --dtype (default: the target's)"
+    )
+    p.add_argument("--hbm_gbps", type=cli.rate, help="per GPU (default: the target's)")
+    p.add_argument(
+        "--intra_node_gbps", type=cli.rate, help="per GPU (default: the target's NVLink)"
+    )
+    p.add_argument("--inter_node_gbps", type=cli.rate, help="per GPU (default: the target's NIC)")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.pipeline import random_batch
-from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.bench.report import count, pyplot, save_figure, write_json
 from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
 from longt5_jax.kernels import launch as base
@@ -51,7 +51,7 @@ _NO_GPU = "bench device runs the step on a GPU; this process has none"
 AUTOTUNE_CACHE_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
 
 
-def add_step_arguments(p, cases: list[str], target_help: str, length_type=int) -> None:
+def add_step_arguments(p, cases: list[str], target_help: str, length_type=cli.positive) -> None:
     """The arguments `case_step` reads: the cases, the compile target, the attention, its
     kernels, their launch settings, the target length and the optimizer (bench device and bench
     roofline)."""
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also compile each case deviceless for --target (memory and roofline ratios)",
     )
     p.add_argument("--steps", type=cli.positive, default=10, help="timed steps per case")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=count, default=2)
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument(
         "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"

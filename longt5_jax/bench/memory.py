@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", nargs="+", help="MODEL:LENGTH:BATCH=d,t,p,zero,m,r,remat[;...]")
     p.add_argument("--attention", default="tglobal")
     p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
-    p.add_argument("--target_length", type=int, default=512)
+    p.add_argument("--target_length", type=cli.positive, default=512)
     p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
     p.add_argument("--fit", action="store_true", help="refit the calibration on this grid")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")

@@ -106,14 +106,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(
         prog="python -m longt5_jax.bench pipeline", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatch_factors", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--input_length", type=int, default=512)
-    parser.add_argument("--target_length", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--d_model", type=int, default=128)
+    parser.add_argument("--stages", type=cli.positive, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatch_factors", type=cli.positive, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=cli.positive, nargs="+", default=[1, 2])
+    parser.add_argument("--batch_size", type=cli.positive, default=32)
+    parser.add_argument("--input_length", type=cli.positive, default=512)
+    parser.add_argument("--target_length", type=cli.positive, default=64)
+    parser.add_argument("--layers", type=cli.positive, default=8)
+    parser.add_argument("--d_model", type=cli.positive, default=128)
     parser.add_argument(
         "--steps", type=cli.positive, default=4, help="timed steps per configuration"
     )

@@ -24,7 +24,7 @@ import jax
 from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
-from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.bench.report import count, pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.plan import flops
@@ -42,21 +42,23 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         choices=REMAT_POLICIES,
         help="remat of the length-scaling runs (16k inputs without remat need over 24 GiB)",
     )
-    p.add_argument("--target_length", type=int, default=256)
-    p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--race_lengths", type=int, nargs="*", default=[1024, 4096])
-    p.add_argument("--race_steps", type=int, default=3, help="timed pairs per length")
+    p.add_argument("--target_length", type=cli.positive, default=256)
+    p.add_argument("--batch_size", type=cli.positive, default=1)
+    p.add_argument("--race_lengths", type=cli.positive, nargs="*", default=[1024, 4096])
+    p.add_argument("--race_steps", type=cli.positive, default=3, help="timed pairs per length")
     p.add_argument(
         "--settle_steps",
-        type=int,
+        type=count,
         default=1,
         help="untimed steps at the start of each turn, after the other framework has run",
     )
-    p.add_argument("--mfu_length", type=int, default=4096)
-    p.add_argument("--scaling_lengths", type=int, nargs="*", default=[1024, 2048, 8192, 16384])
-    p.add_argument("--scaling_reference", type=int, default=4096)
-    p.add_argument("--scaling_steps", type=int, default=2, help="timed pairs per length")
-    p.add_argument("--peak_size", type=int, default=2048)
+    p.add_argument("--mfu_length", type=cli.positive, default=4096)
+    p.add_argument(
+        "--scaling_lengths", type=cli.positive, nargs="*", default=[1024, 2048, 8192, 16384]
+    )
+    p.add_argument("--scaling_reference", type=cli.positive, default=4096)
+    p.add_argument("--scaling_steps", type=cli.positive, default=2, help="timed pairs per length")
+    p.add_argument("--peak_size", type=cli.positive, default=2048)
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p.parse_args(argv)
 

@@ -176,9 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="tglobal", help="local or tglobal")
     p.add_argument("--set", nargs="*", default=[], help="LongT5Config overrides, FIELD=VALUE")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--input_length", type=int, default=512)
-    p.add_argument("--target_length", type=int, default=64)
+    p.add_argument("--batch_size", type=cli.positive, default=16)
+    p.add_argument("--input_length", type=cli.positive, default=512)
+    p.add_argument("--target_length", type=cli.positive, default=64)
     p.add_argument("--steps", type=cli.positive, default=5, help="timed steps per strategy")
     targets.add_cluster_arguments(
         p,
@@ -187,11 +187,11 @@ def _parser() -> argparse.ArgumentParser:
         "deviceless for --nodes x --gpus_per_node, data filling them), or cpu (the 8 local "
         "devices' program, as nodes of --gpus_per_node)",
     )
-    p.add_argument("--intra_node_gbps", type=float, help="GB/s (default: the target's NVLink)")
-    p.add_argument("--inter_node_gbps", type=float, help="GB/s (default: the target's NIC)")
-    p.add_argument("--peak_tflops", type=float, help="per GPU (default: the target's)")
+    p.add_argument("--intra_node_gbps", type=cli.rate, help="GB/s (default: the target's NVLink)")
+    p.add_argument("--inter_node_gbps", type=cli.rate, help="GB/s (default: the target's NIC)")
+    p.add_argument("--peak_tflops", type=cli.rate, help="per GPU (default: the target's)")
     p.add_argument(
-        "--efficiency", dest="mfu", type=float, default=0.4, help="assumed fraction of peak"
+        "--efficiency", dest="mfu", type=cli.fraction, default=0.4, help="assumed fraction of peak"
     )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p

@@ -181,13 +181,14 @@ def array_infos(step_dir: Path, item: str = "state", tree: Any = None) -> dict[s
     }
 
 
-def _listing(names: list[str], most: int = 12) -> str:
+def _listing(names: list[str], most: int = 6) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def check_tree(where: Path, saved: dict[str, ArrayInfo], target: Any, hint: str = "") -> None:
-    """Raise one error naming every path in which `saved` and the `target` tree differ."""
+    """Raise one error counting the paths in which `saved` and the `target` tree differ and
+    naming the first few of each kind (a model of another width differs in every array)."""
     leaves = jax.tree_util.tree_flatten_with_path(target)[0]
     wanted = {path_text(p): tuple(x.shape) for p, x in leaves}
 
@@ -211,17 +212,21 @@ def check_tree(where: Path, saved: dict[str, ArrayInfo], target: Any, hint: str 
         if names
     ]
     if parts:
+        count = len(only_saved) + len(only_run) + len(shapes)
         raise CheckpointError(
-            f"{where}: a checkpoint of another model or optimizer; " + "; ".join(parts) + hint
+            f"{where}: a checkpoint of another model or optimizer; "
+            + "; ".join(parts)
+            + f" ({count} arrays differ){hint}"
         )
 
 
-def restore_params(path: str | Path, abstract_params: Any) -> Any:
-    """Only the parameters of the checkpoint CKPT names, laid out as `abstract_params`."""
+def restore_params(path: str | Path, abstract_params: Any, hint: str = "") -> Any:
+    """Only the parameters of the checkpoint CKPT names, laid out as `abstract_params`; `hint`
+    ends the error where they are another model's (what the checkpoint was given as)."""
     step_dir = resolve(path)
     tree = saved_tree(step_dir)
     saved = {k: v for k, v in array_infos(step_dir, tree=tree).items() if k.startswith("params/")}
-    check_tree(step_dir, saved, {"params": abstract_params})
+    check_tree(step_dir, saved, {"params": abstract_params}, hint)
     skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)  # orbax skips these
     item = skip | {"params": abstract_params}
     restore_args = skip | {"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)}

@@ -12,6 +12,7 @@ import dataclasses
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,13 @@ import jax
 import numpy as np
 
 from longt5_jax.data.pipeline import global_batch
-from longt5_jax.errors import RunFault
+from longt5_jax.errors import ConfigError, RunFault
 from longt5_jax.formats.native import resolve, restore_params
-from longt5_jax.training import identity
+from longt5_jax.training import identity, summary
 from longt5_jax.training.checkpoint import Checkpoints
 from longt5_jax.training.distributed import agree
 from longt5_jax.training.experiment import Experiment
-from longt5_jax.training.metrics import MetricsWriter, StepProfiler
+from longt5_jax.training.metrics import LogsUnwritable, MetricsWriter, StepProfiler
 from longt5_jax.training.optim import learning_rate_at
 from longt5_jax.training.periodic_eval import PeriodicEval
 from longt5_jax.training.step import ShardedStep, TrainState
@@ -48,8 +49,11 @@ class Parts:
 
 def train(exp: Experiment, parts: Parts) -> dict:
     """Train per `exp` with `parts`; returns the last logged metrics."""
+    began = time.perf_counter()
     model_dir = Path(exp.run.model_dir)
     start, state, note = _first_state(exp, parts)
+    if start >= exp.run.train_steps:  # before anything is written: the run is as it was
+        return _nothing_to_train(exp, start)
     if agree(bool(stopped()), any):  # during start-up: nothing trained, nothing written
         print(f"{stopped()}: stopped before step {start + 1}; nothing new to save", flush=True)
         return {}
@@ -61,9 +65,38 @@ def train(exp: Experiment, parts: Parts) -> dict:
             print(note, flush=True)
     writer = parts.open_writer(start)
     try:
-        return _steps(exp, parts, state, writer, start)
+        end = _steps(exp, parts, state, writer, start)
     finally:
-        writer.close()
+        writer.close()  # a log it cannot close is kept in `writer.fault`, never raised
+    if writer.fault:
+        raise LogsUnwritable(
+            f"{writer.fault}; step {end} is saved in {model_dir}/checkpoints: make room there "
+            "and rerun the same command to resume"
+        )
+    if jax.process_index() == 0:
+        wall = time.perf_counter() - began
+        print(summary.text(exp, summary.Trained(start, end, wall, writer)), flush=True)
+    return writer.last_train
+
+
+def _nothing_to_train(exp: Experiment, saved: int) -> dict:
+    """A rerun of a finished run says so; one asking for fewer steps than are saved is refused
+    (training on would need the steps it already has undone)."""
+    where = f"{exp.run.model_dir}/checkpoints"
+    if saved > exp.run.train_steps:
+        raise ConfigError(
+            f"RunConfig.train_steps={exp.run.train_steps} is below step {saved} saved in "
+            f"{where}: nothing was changed; set RunConfig.train_steps >= {saved} to train on, "
+            "or another MODEL_DIR to start anew"
+        )
+    if jax.process_index() == 0:
+        print(
+            f"nothing left to train: step {saved} of RunConfig.train_steps={saved} is saved in "
+            f"{where}; raise RunConfig.train_steps to train on",
+            flush=True,
+        )
+        print(summary.files(exp, saved), flush=True)
+    return {}
 
 
 def _first_state(exp: Experiment, parts: Parts) -> tuple[int, TrainState, str]:
@@ -78,7 +111,8 @@ def _first_state(exp: Experiment, parts: Parts) -> tuple[int, TrainState, str]:
     if not exp.ckpt.init_from:
         return 0, state, ""
     source = resolve(exp.ckpt.init_from)
-    state = state.replace(params=restore_params(source, step.abstract_state.params))
+    hint = f": CheckpointConfig.init_from={exp.ckpt.init_from!r} holds another model's parameters"
+    state = state.replace(params=restore_params(source, step.abstract_state.params, hint))
     return 0, state, f"parameters from {source}; optimizer and step start anew"
 
 
@@ -100,13 +134,14 @@ class DataExhausted(RunFault):
 
 
 def _steps(exp: Experiment, parts: Parts, state: TrainState, writer: MetricsWriter, start: int):
-    """Steps from `start`; saves when due, on the last step and on SIGTERM (then returns)."""
+    """Steps from `start`; saves when due, on the last step, on SIGTERM and on a log that cannot
+    be written (then returns). Returns the last step trained, saved."""
     run, skip, step, batches = exp.run, exp.step.skip_nonfinite, parts.step, parts.batches
     checkpoints, evaluate = parts.checkpoints, parts.evaluate
     rng = jax.random.key(run.seed + 1) if exp.model.dropout_rate > 0 else None
     config = {"gin": parts.config_text, "model": dataclasses.asdict(exp.model)}
     profiler = StepProfiler(run.model_dir, run.profile_start, run.profile_steps)
-    row, bad_steps, pending, saved = {}, 0, [], start
+    bad_steps, pending, saved = 0, [], start
     for i in range(start, run.train_steps):
         with writer.timing("data"):
             local = next(batches, None)
@@ -133,27 +168,37 @@ def _steps(exp: Experiment, parts: Parts, state: TrainState, writer: MetricsWrit
         # at the same step, or none does.
         stop = agree(bool(stopped()), any)
         last = i + 1 == run.train_steps or stop
-        if (i + 1) % run.log_every == 0 or last:
-            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
-            # A skipped step (float16 overflow) leaves the optimizer's count, so its schedule.
-            updates = i - int(values.get("skipped_steps", 0))
-            lr = learning_rate_at(exp.optim, max(updates, 0))
-            row = writer.write(i + 1, {**values, "learning_rate": lr})
+        logged = (i + 1) % run.log_every == 0 or last
+        if logged:
+            writer.write(i + 1, _row(exp, metrics, bad_steps, i))
         if evaluate.due(i + 1):
+            logged = True
             with writer.paused():
                 writer.write_eval(i + 1, evaluate(i + 1, state.params))
-        if last or checkpoints.due(i + 1):
+        # A log that could not be written (a full disk) stops the run at this step, saved; asked
+        # only where one was written (every process knows where: the other steps pay nothing).
+        failed = logged and agree(bool(writer.fault), any)
+        if last or failed or checkpoints.due(i + 1):
             bad_steps += _nonfinite(pending, skip)  # never save a state that went non-finite
             pending = []
             with writer.timing("checkpoint"):
                 checkpoints.save(i + 1, state, batches, config, force=True)
             saved = i + 1
-        if stop:
+        if stop and not failed:  # else the command says why it stopped, in one line
             name = stopped() or "another process's signal"
             print(f"{name}: saved step {i + 1}; rerun the same command to resume", flush=True)
+        if stop or failed:
             break
-    return row
+    return saved
+
+
+def _row(exp: Experiment, metrics: dict, bad_steps: int, i: int) -> dict[str, float]:
+    """The logged row of step i + 1: its metrics, the non-finite count and learning rate."""
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values["nonfinite_steps"] = bad_steps + values.pop("nonfinite")
+    # A skipped step (float16 overflow) leaves the optimizer's count, so its schedule.
+    updates = i - int(values.get("skipped_steps", 0))
+    return {**values, "learning_rate": learning_rate_at(exp.optim, max(updates, 0))}
 
 
 def _nonfinite(pending: list, skip: bool) -> int:
@@ -182,15 +227,17 @@ def _ask_to_stop(signum: int, _frame) -> None:
 
 @contextlib.contextmanager
 def stopping_on_signals():
-    """SIGTERM (what SLURM sends before a time limit or preemption) and a first SIGINT (Ctrl-C)
-    ask the run to stop after the step in flight, saving it; a second SIGINT stops at once.
+    """SIGTERM (what SLURM sends before a time limit or preemption), SIGHUP (the terminal closed,
+    an ssh session dropped) and a first SIGINT (Ctrl-C) ask the run to stop after the step in
+    flight, saving it; a second SIGINT stops at once.
     The command enters this first thing, so that a signal during start-up or the first compile
     is kept rather than killing the process mid-write; the previous handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _STOP.clear()
-    previous = {sig: signal.signal(sig, _ask_to_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _ask_to_stop) for sig in signals}
     try:
         yield
     finally:

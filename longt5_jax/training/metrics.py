@@ -4,6 +4,7 @@ a Prometheus endpoint; and a profiler trace of chosen steps."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import time
 from collections.abc import Iterator
@@ -12,12 +13,21 @@ from typing import Any
 
 import jax
 
+from longt5_jax.errors import RunFault
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.training.tensorboard import TensorBoard
 
 
+class LogsUnwritable(RunFault):
+    """metrics.jsonl or TensorBoard's events could not be written (a full disk): the loop saves
+    the step and stops with this."""
+
+
 class MetricsWriter:
-    """Writes each logged step; tokens/s and ETA come from wall time between calls."""
+    """Writes each logged step; tokens/s and ETA come from wall time between calls.
+
+    A log that cannot be written (a full disk) never interrupts a step: writing stops, `fault`
+    says which file and why, and the loop saves the step and stops on it."""
 
     def __init__(
         self,
@@ -42,18 +52,31 @@ class MetricsWriter:
         self._last: tuple[int, float] | None = None
         self._tokens = 0.0
         self._spent: dict[str, float] = {}
+        self.fault = ""  # 'PATH: why' of the first log that could not be written
+        # The whole run's rate, for the summary: (first timed step, its time), tokens, pauses.
+        self._began: float | None = None
+        self._all_tokens, self._paused, self._timed = 0.0, 0.0, (0.0, 0.0)
+        self.last_train: dict[str, float] = {}
+        self.last_eval: dict[str, float] = {}
+        self.eval_split = eval_split
         if self.enabled:
             Path(model_dir).mkdir(parents=True, exist_ok=True)
-            path = Path(model_dir) / "metrics.jsonl"
-            kept = _rows_until(path, resume_step)
-            write_atomic(path, "".join(line + "\n" for line in kept))
-            self._jsonl = path.open("a")
-            self._tb = TensorBoard(model_dir, resume_step, config_text, hparams)
-            self._eval_split = eval_split
+            path = self._jsonl_path = Path(model_dir) / "metrics.jsonl"
+            try:
+                kept = _rows_until(path, resume_step)
+                write_atomic(path, "".join(line + "\n" for line in kept))
+                self._jsonl = path.open("a")
+                self._tb = TensorBoard(model_dir, resume_step, config_text, hparams)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise  # a path that is not writable: bad input, said as such
+                raise LogsUnwritable(f"{_where(e, path)}; no step was trained") from None
 
     def start(self, step: int) -> None:
         """Begin timing at `step` (after compilation, so the first rate is not skewed)."""
         self._last, self._tokens, self._spent = (step, time.perf_counter()), 0.0, {}
+        if self._began is None:
+            self._began = self._last[1]
 
     @contextlib.contextmanager
     def timing(self, kind: str) -> Iterator[None]:
@@ -66,6 +89,7 @@ class MetricsWriter:
 
     def add_tokens(self, tokens: float) -> None:
         self._tokens += tokens
+        self._all_tokens += tokens
 
     def write(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         now = time.perf_counter()
@@ -86,6 +110,8 @@ class MetricsWriter:
         if self.exporter is not None:  # before start(): its counters take this interval's sums
             self.exporter.update(row, steps=steps, tokens=self._tokens, spent=self._spent)
         self.start(step)
+        self.last_train = row
+        self._timed = (self._all_tokens, now - self._began - self._paused)
         if not self.enabled:
             return row
         rate = row["steps_per_second"]
@@ -100,10 +126,24 @@ class MetricsWriter:
             f"{scaled}  {row['tokens_per_second']:,.0f} tokens/s{mfu}  ETA {eta}",
             flush=True,
         )
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
-        self._tb.train(step, row)
+        self._log(row, lambda: self._tb.train(step, row))
         return row
+
+    def _log(self, row: dict[str, float], tensorboard: Any) -> None:
+        """`row` to metrics.jsonl and `tensorboard()`; an error stops the logs (`fault`)."""
+        try:
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            self._stop_logs(e, self._jsonl_path)
+            return
+        try:
+            tensorboard()
+        except OSError as e:
+            self._stop_logs(e, self._tb.root)
+
+    def _stop_logs(self, error: OSError, path: Path) -> None:
+        self.fault, self.enabled = self.fault or _where(error, path), False
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -114,12 +154,15 @@ class MetricsWriter:
         finally:
             if self._last is not None:
                 self._last = (self._last[0], self._last[1] + time.perf_counter() - began)
+                self._paused += time.perf_counter() - began
 
     def write_eval(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """An evaluation row ('eval/...' metrics) in the same logs as the training rows."""
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         if self.exporter is not None:
             self.exporter.update(metrics)
+        if metrics:
+            self.last_eval = row
         if not self.enabled or not metrics:
             return row
         shown = "  ".join(
@@ -129,18 +172,25 @@ class MetricsWriter:
             for k, v in metrics.items()
         )
         print(f"eval {step:>6}/{self.total_steps}  {shown}", flush=True)
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
-        self._tb.eval(step, self._eval_split, metrics)
+        self._log(row, lambda: self._tb.eval(step, self.eval_split, metrics))
         return row
+
+    def tokens_per_second(self) -> float:
+        """The mean rate of the run's timed steps (the first, compiled, and evaluations out)."""
+        tokens, seconds = self._timed
+        return tokens / seconds if seconds > 0 else 0.0
 
     def close(self) -> None:
         if self.exporter is not None:  # the last save came after the last row: counted here
             self.exporter.update({}, spent=self._spent)
             self.exporter.close()
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+        if not hasattr(self, "_tb"):  # not process 0
+            return
+        for close, path in ((self._jsonl.close, self._jsonl_path), (self._tb.close, self._tb.root)):
+            try:
+                close()
+            except OSError as e:
+                self._stop_logs(e, path)
 
 
 # Dense half-precision peak FLOP/s per device (bf16; fp16 on a V100, which has no bf16), by a
@@ -154,6 +204,11 @@ def peak_flops(devices: list, per_device_override: float = 0.0) -> float:
         return per_device_override * len(devices)
     kind = getattr(devices[0], "device_kind", "")
     return next((v * len(devices) for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
+
+
+def _where(error: OSError, path: Path) -> str:
+    """'PATH: why' of a failed write (a file object's error names no file)."""
+    return f"{error.filename or path}: {error.strerror or error}"
 
 
 def _rows_until(path: Path, step: int) -> list[str]:

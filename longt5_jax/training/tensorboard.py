@@ -6,6 +6,7 @@ the run's hyperparameters are in TensorBoard's HParams tab.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,17 @@ class TensorBoard:
         self._scalars(f"{EVAL}/{split}", step, scalars)
 
     def close(self) -> None:
+        """Close every writer; the first that cannot write what it holds (a full disk) raises
+        its error once all are closed."""
+        failed = None
         for writer in self._writers.values():
-            writer.close()
+            try:
+                writer.close()
+            except OSError as e:
+                failed = failed or e
+                _abandon(writer)
+        if failed is not None:
+            raise failed
 
     def _scalars(self, run: str, step: int, values: dict[str, float]) -> None:
         writer = self._writer(run)
@@ -61,8 +71,29 @@ class TensorBoard:
 
     def _writer(self, run: str) -> Any:
         if run not in self._writers:
-            self._writers[run] = _summary_writer()(str(self.root / run), purge_step=self._purge)
+            writer = _summary_writer()(str(self.root / run), purge_step=self._purge)
+            self._writers[run] = _synchronous(writer)
         return self._writers[run]
+
+
+def _synchronous(writer: Any) -> Any:
+    """`writer` writing each event in the calling thread. tensorboardX writes from a thread of
+    its own, where a full disk is a traceback that stops the thread (and then every later event
+    blocks on its full queue); here it is an OSError the metrics writer turns into one line.
+    Every row is flushed as it is written anyway, so the thread saved nothing."""
+    events = writer._get_file_writer().event_writer
+    events._worker.stop()  # after writing what is queued (the run's start event)
+    events.add_event = events._ev_writer.write_event
+    return writer
+
+
+def _abandon(writer: Any) -> None:
+    """A writer whose events cannot be written: its file closed with what did fit, and marked
+    closed, so that tensorboardX's exit hook does not try again (a traceback after our line)."""
+    events = writer.file_writer.event_writer
+    events._closed = True
+    with contextlib.suppress(OSError):  # the file is closed even where its last flush fails
+        events._ev_writer._py_recordio_writer._writer.close()
 
 
 def _add_hparams(writer: Any, hparams: dict[str, Any]) -> None:
