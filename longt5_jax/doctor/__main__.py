@@ -100,8 +100,10 @@ def environment_rows() -> list[Row]:
         os.environ["XLA_FLAGS"] = environment.without_flags(os.environ["XLA_FLAGS"], unknown)
     elif os.environ.get("XLA_FLAGS", "").strip():
         rows.append(ok("environment", "XLA_FLAGS", "XLA knows every flag"))
-    if environment.requested_platforms():
-        present = environment.platforms_present()
+    requested = environment.requested_platforms()
+    if requested:
+        # The CPU is always there: the probe (a process starting every backend) only otherwise.
+        present = ["cpu"] if set(requested) == {"cpu"} else environment.platforms_present()
         if environment.absent_platforms(present):
             rows.append(
                 fail(
