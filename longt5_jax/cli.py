@@ -65,6 +65,7 @@ def _number(convert: typing.Callable[[str], float], holds: typing.Callable[[floa
 
 
 positive = _number(int, lambda v: v >= 1, "an integer >= 1")
+nonnegative = _number(int, lambda v: v >= 0, "an integer >= 0")  # a flag whose 0 means none
 rate = _number(float, lambda v: v > 0, "a number > 0")  # a FLOP rate, a bandwidth
 fraction = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # an MFU
 

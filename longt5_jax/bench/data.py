@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longt5_jax import cli
-from longt5_jax.bench.report import count, write_json
+from longt5_jax.bench.report import write_json
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.model.loss import cross_entropy
@@ -76,7 +76,7 @@ def _main(argv: list[str]) -> int:
     )
     parser.add_argument("--input_lengths", type=cli.positive, nargs="+", default=[4096, 16384])
     parser.add_argument("--target_length", type=cli.positive, default=512)
-    parser.add_argument("--workers", type=count, nargs="+", default=[0, 2])
+    parser.add_argument("--workers", type=cli.nonnegative, nargs="+", default=[0, 2])
     parser.add_argument("--batch_size", type=cli.positive, default=8)
     parser.add_argument("--batches", type=cli.positive, default=10)
     parser.add_argument("--objective", default="summarization")

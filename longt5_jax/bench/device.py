@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.pipeline import random_batch
-from longt5_jax.bench.report import count, pyplot, save_figure, write_json
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
 from longt5_jax.kernels import launch as base
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also compile each case deviceless for --target (memory and roofline ratios)",
     )
     p.add_argument("--steps", type=cli.positive, default=10, help="timed steps per case")
-    p.add_argument("--warmup", type=count, default=2)
+    p.add_argument("--warmup", type=cli.nonnegative, default=2)
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     p.add_argument(
         "--transformers", action="store_true", help="also time transformers' LongT5 (torch)"

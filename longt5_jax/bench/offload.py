@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from longt5_jax import cli
-from longt5_jax.bench.report import count, pyplot, save_figure, write_json
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.devices import half_dtype
@@ -49,14 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="full")
     p.add_argument("--optimizer", default="adamw", choices=["adafactor", "adamw"])
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], nargs="+", default=[0, 1, 2, 3])
-    p.add_argument("--fit_length", type=count, default=16384, help="0: skip the fit rows")
+    p.add_argument("--fit_length", type=cli.nonnegative, default=16384, help="0: skip the fit rows")
     p.add_argument("--fit_batch", type=cli.positive, default=32)
     p.add_argument("--fit_zero", type=int, choices=[0, 1, 2, 3], nargs="+", default=[1, 3])
     p.add_argument("--cpu_model", default="small", help="the model timed on the CPU")
     p.add_argument("--cpu_devices", type=cli.positive, default=8)
     p.add_argument("--cpu_lengths", type=cli.positive, nargs=2, default=[256, 64])
     p.add_argument("--cpu_batch", type=cli.positive, default=8)
-    p.add_argument("--cpu_steps", type=count, default=6, help="timed steps per setting (0: skip)")
+    p.add_argument(
+        "--cpu_steps", type=cli.nonnegative, default=6, help="timed steps per setting (0: skip)"
+    )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     return p
 

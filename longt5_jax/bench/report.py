@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path, PurePath
 from typing import Any
 
 from longt5_jax.formats.atomic import write_atomic
-
-
-def count(text: str) -> int:
-    """An argparse type: an integer >= 0, for a flag whose 0 means none (no warm-up, no
-    workers, a part skipped); `cli.positive` where 0 means nothing."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def write_json(out_dir: str | Path, name: str, report: Any) -> Path:

@@ -24,7 +24,7 @@ import jax
 from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
-from longt5_jax.bench.report import count, pyplot, save_figure, write_json
+from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.plan import flops
@@ -48,7 +48,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--race_steps", type=cli.positive, default=3, help="timed pairs per length")
     p.add_argument(
         "--settle_steps",
-        type=count,
+        type=cli.nonnegative,
         default=1,
         help="untimed steps at the start of each turn, after the other framework has run",
     )

@@ -17,6 +17,7 @@ target default `--dtype` to it and refuse bfloat16 where it has none.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -177,8 +178,16 @@ def add_cluster_arguments(
     (--nodes a list of node counts where `nodes` is one)."""
     parser.add_argument("--target", default="a100-80gb", help=help or names_help(cpu))
     many = {"nargs": "+"} if isinstance(nodes, list) else {}
-    parser.add_argument("--nodes", type=int, default=nodes, **many)
-    parser.add_argument("--gpus_per_node", type=int, default=4)
+    parser.add_argument("--nodes", type=_at_least_one, default=nodes, **many)
+    parser.add_argument("--gpus_per_node", type=_at_least_one, default=4)
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type for a count of nodes or GPUs (cli's checked numbers sit above plan)."""
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def names_help(cpu: bool = False) -> str:
