@@ -115,7 +115,7 @@ def test_a_split_query_block_skips_only_keys_beyond_its_queries():
     q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
     whole = encoder_geometry.geometry(q, 128, 0, 16)
     fwd = whole.splits(whole.kernel("fwd"))
-    assert (fwd.split, fwd.qw) == (2, 64)
+    assert (fwd.split, fwd.query_rows) == (2, 64)
     assert whole.splits(whole.kernel("dq")).split == 2
     assert whole.splits(whole.kernel("dkv")).split == 1
     tglobal = encoder_geometry.geometry(q, 128, 64, 16)
@@ -123,11 +123,11 @@ def test_a_split_query_block_skips_only_keys_beyond_its_queries():
     # Keys given: the local keys looped, capped to the key parts.
     with kernel_launch.launch(LOOPED):
         looped = tglobal.splits(tglobal.kernel("fwd"))
-        assert (looped.looped, looped.kb, looped.c) == (True, 64, 64)
+        assert (looped.looped, looped.key_chunk, looped.side_chunk) == (True, 64, 64)
         assert not tglobal.splits(tglobal.kernel("dkv")).looped
     with kernel_launch.launch(SPLIT):  # split, side keys 32 at a time (64 whole)
         halves = tglobal.splits(tglobal.kernel("fwd"))
-        assert (halves.split, halves.c, tglobal.c) == (2, 32, 64)
+        assert (halves.split, halves.side_chunk, tglobal.side_chunk) == (2, 32, 64)
     skipped = {chunk: fwd.beyond(*chunk) for chunk in fwd.local_chunks if fwd.beyond(*chunk)}
     assert skipped == {(0, 0): (1,), (2, 1): (0,)}
     # Brute force over every query and key of the chunk: all beyond, and the others not.
@@ -191,7 +191,7 @@ def test_a_local_bias_gradient_program_sums_several_query_blocks(case, blocks, m
     monkeypatch.setattr(encoder_geometry, "DBIAS_PROGRAMS", 1)
     _, radius, k, batch, length, heads, _ = CASES[case]
     q_BLHK = jax.ShapeDtypeStruct((batch, length, heads, 16), jnp.float32)
-    assert encoder_geometry.geometry(q_BLHK, radius + 1, 0, k).rb == blocks
+    assert encoder_geometry.geometry(q_BLHK, radius + 1, 0, k).bias_blocks == blocks
     test_fused_attention_matches_the_xla_path(case, ())
     test_fused_attention_drops_out_what_the_xla_path_drops(case, ())
 

@@ -28,7 +28,11 @@ attention module through `interface.fused`; test it in `tests/test_<name>_kernel
 the XLA path with `harness` (`layer_problem` or your own problem, `run_layer`,
 `relative_errors`) at the tests' TOLERANCE, on CPU (interpreted), and compile it deviceless for
 a GPU (`tests/test_long_attention_kernel.py` shows both). `bench kernels` then times it on a
-GPU, `bench sass` reads its registers, `bench roofline` its bytes.
+GPU (a new kind of layer: its case in `harness.parse_case` and `case_problem`, its kernels'
+prefix in `bench/kernels.py`'s `family`), `bench sass` reads its registers, `bench roofline`
+its bytes. Files a new kernel touches: its module (and its tiles' if they are many), `launch`,
+`interface`, the model's attention module, its test file, and docs/benchmarks.md's kernels
+section for what it measured.
 
 The backend seam: `interface.resolve` makes `attention_kernel="auto"` concrete per device and
 backend. A Mosaic GPU implementation (Hopper and later: warpgroup matmuls, TMA, warp

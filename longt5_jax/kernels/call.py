@@ -37,18 +37,19 @@ def call(kernel, name: str, *, flops: int, grid, in_specs, out_specs, out_shape)
             name=f"{name}.flops_{flops}",
         )
 
-        def traced(*arrays):  # the kernel's body is traced here, for Triton or the interpreter
+        def traced(*operands):  # the kernel's body is traced here, for Triton or the interpreter
             with bound(TRITON, not interpret):
-                return kernel_call(*arrays)
+                return kernel_call(*operands)
 
         return traced
 
-    def run(*arrays):
-        wide = jnp.dtype(arrays[0].dtype).itemsize >= 4
+    def run(*operands):
+        """The call of `operands`: named records of arrays (each matching its `in_specs`)."""
+        wide = jnp.dtype(jax.tree.leaves(operands)[0].dtype).itemsize >= 4
         if plgpu is None:  # no Triton backend: interpreted only (`interface.unusable`)
-            return build(True, wide)(*arrays)
+            return build(True, wide)(*operands)
         return jax.lax.platform_dependent(
-            *arrays, cpu=build(True, wide), default=build(False, wide)
+            *operands, cpu=build(True, wide), default=build(False, wide)
         )
 
     return run

@@ -24,6 +24,13 @@ from jax.experimental import pallas as pl
 
 from longt5_jax.kernels import call, placement, softmax
 from longt5_jax.kernels.decoder_tiles import (
+    Forward,
+    Inputs,
+    KeyGrad,
+    KeyGrads,
+    Output,
+    QueryGrad,
+    Residuals,
     Tiles,
     key_tile,
     out_stat,
@@ -35,43 +42,33 @@ from longt5_jax.kernels.decoder_tiles import (
 from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale, dropped_grad
 
 
-def _scores(tl: Tiles, q, k, b, h, rows, keys, mask_ref, bias_ref):
+def _scores(tl: Tiles, ops, q, k, *, b, h, rows, keys):
     """[Q, C] scores (with the bias) and their validity, or None where a mask shared by every
     query (cross-attention's) made invalid keys NEG: one add a key, taken into the matmul's
     accumulator, instead of a compare and a select an element (SASS, sm_90a)."""
     s = softmax.dot(q, k, trans_b=True)
     if tl.bias:
-        s = s + bias_ref[h, rows, keys]
+        s = s + ops.bias[h, rows, keys]
     if tl.mask_rows == 1:
-        return s + jnp.where(mask_ref[b, pl.ds(0, 1), keys] != 0, 0.0, softmax.NEG), None
-    return s, mask_ref[b, rows, keys] != 0
+        return s + jnp.where(ops.mask[b, pl.ds(0, 1), keys] != 0, 0.0, softmax.NEG), None
+    return s, ops.mask[b, rows, keys] != 0
 
 
-def _scale(tl: Tiles, drop, b, h, i, j):
+def _scale(tl: Tiles, drop, *, b, h, i, j):
     """Dropout's [Q, C] scale of query tile i x key tile j (token positions), or None."""
     queries, keys = i * tl.tq + jnp.arange(tl.tq), j * tl.tk + jnp.arange(tl.tk)
-    return drop_scale(tl.rate, drop, b, h, queries, keys)
+    return drop_scale(tl.rate, drop, b, h, queries=queries, keys=keys)
 
 
-def _kernel(tl: Tiles, body, inputs: int):
-    """body(tl, dropout refs, *refs) as a kernel: the dropout's arrays follow the inputs."""
-
-    def kernel(*refs):
-        drop = refs[inputs : inputs + 3] if tl.rate else ()
-        return body(tl, drop, *refs[:inputs], *refs[inputs + len(drop) :])
-
-    return kernel
-
-
-def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref, lse_ref):
+def _fwd_kernel(tl: Tiles, ops: Forward, out: Output):
     b, h, (i, part) = pl.program_id(0), pl.program_id(1), tl.program(pl.program_id(2))
-    rows, q = pl.ds(i * tl.tq, tl.tq), q_ref[...]
+    rows, q = pl.ds(i * tl.tq, tl.tq), ops.q[...]
 
     def chunk(j, state):
         keys = pl.ds(j * tl.tk, tl.tk)
-        s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
-        scale = _scale(tl, drop, b, h, i, j)
-        return softmax.online(state, s, valid, v_ref[b, keys, h, :], scale)
+        s, valid = _scores(tl, ops, q, ops.k[b, keys, h, :], b=b, h=h, rows=rows, keys=keys)
+        scale = _scale(tl, ops.drop, b=b, h=h, i=i, j=j)
+        return softmax.online(state, s, valid, ops.v[b, keys, h, :], scale=scale)
 
     state = (
         jnp.full((tl.tq,), -jnp.inf, jnp.float32),
@@ -81,86 +78,95 @@ def _fwd_kernel(tl: Tiles, drop, q_ref, k_ref, v_ref, mask_ref, bias_ref, o_ref,
     m, l, acc = jax.lax.fori_loop(*tl.key_tiles(part), chunk, state)
     seen = softmax.seen(m)
     safe = jnp.where(seen, l, 1.0)
-    o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
+    out.o[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(out.o.dtype)
     # A part that sees no key weighs nothing in `_combine`; a whole row that sees none has 0.
-    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf if tl.parts > 1 else 0.0)
+    out.lse[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf if tl.parts > 1 else 0.0)
 
 
-def _dq_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref,
-               bias_ref, dq_ref):  # fmt: skip
+def _dq_kernel(tl: Tiles, ops: QueryGrad, dq_ref):
     b, h, (i, part) = pl.program_id(0), pl.program_id(1), tl.program(pl.program_id(2))
-    rows, q, do = pl.ds(i * tl.tq, tl.tq), q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    rows, q, do = pl.ds(i * tl.tq, tl.tq), ops.q[...], ops.do[...]
+    lse, delta = ops.lse[...], ops.delta[...]
 
     def chunk(j, dq):
         keys = pl.ds(j * tl.tk, tl.tk)
-        k = k_ref[b, keys, h, :]
-        s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
+        k = ops.k[b, keys, h, :]
+        s, valid = _scores(tl, ops, q, k, b=b, h=h, rows=rows, keys=keys)
         p = softmax.probs(s, valid, lse)
-        dp = softmax.dot(do, v_ref[b, keys, h, :], trans_b=True)
-        ds = dropped_grad(p, dp, delta, _scale(tl, drop, b, h, i, j))
+        dp = softmax.dot(do, ops.v[b, keys, h, :], trans_b=True)
+        ds = dropped_grad(p, dp, delta, _scale(tl, ops.drop, b=b, h=h, i=i, j=j))
         return dq + softmax.dot(ds.astype(k.dtype), k)
 
     zeros = jnp.zeros((tl.tq, tl.head_dim), jnp.float32)
     dq_ref[...] = jax.lax.fori_loop(*tl.key_tiles(part), chunk, zeros).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(tl: Tiles, drop, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, mask_ref,
-                bias_ref, dk_ref, dv_ref):  # fmt: skip
+def _dkv_kernel(tl: Tiles, ops: KeyGrad, out: KeyGrads):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    keys, k, v = pl.ds(j * tl.tk, tl.tk), k_ref[...], v_ref[...]
+    keys, k, v = pl.ds(j * tl.tk, tl.tk), ops.k[...], ops.v[...]
 
     def chunk(i, carry):
         dk, dv = carry
         rows = pl.ds(i * tl.tq, tl.tq)
-        q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-        s, valid = _scores(tl, q, k, b, h, rows, keys, mask_ref, bias_ref)
-        p = softmax.probs(s, valid, lse_ref[b, h, rows])
-        scale = _scale(tl, drop, b, h, i, j)
+        q, do = ops.q[b, rows, h, :], ops.do[b, rows, h, :]
+        s, valid = _scores(tl, ops, q, k, b=b, h=h, rows=rows, keys=keys)
+        p = softmax.probs(s, valid, ops.lse[b, h, rows])
+        scale = _scale(tl, ops.drop, b=b, h=h, i=i, j=j)
         dv += softmax.dot((p if scale is None else p * scale).astype(do.dtype).T, do)
-        ds = dropped_grad(p, softmax.dot(do, v, trans_b=True), delta_ref[b, h, rows], scale)
+        ds = dropped_grad(p, softmax.dot(do, v, trans_b=True), ops.delta[b, h, rows], scale)
         return dk + softmax.dot(ds.astype(q.dtype).T, q), dv
 
     zeros = jnp.zeros((tl.tk, tl.head_dim), jnp.float32)
     dk, dv = jax.lax.fori_loop(0, tl.t // tl.tq, chunk, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    out.dk[...] = dk.astype(out.dk.dtype)
+    out.dv[...] = dv.astype(out.dv.dtype)
 
 
-def _dbias_kernel(tl: Tiles, drop, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, mask_ref,
-                  bias_ref, out_ref):  # fmt: skip
+def _dbias_kernel(tl: Tiles, ops: QueryGrad, out_ref):
     """The bias gradient of one [Q, C] tile, summed over the batch."""
     h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, keys = pl.ds(i * tl.tq, tl.tq), pl.ds(j * tl.tk, tl.tk)
 
     def one_row(b, acc):
-        q, do = q_ref[b, rows, h, :], do_ref[b, rows, h, :]
-        s, valid = _scores(tl, q, k_ref[b, keys, h, :], b, h, rows, keys, mask_ref, bias_ref)
-        p = softmax.probs(s, valid, lse_ref[b, h, rows])
-        dp = softmax.dot(do, v_ref[b, keys, h, :], trans_b=True)
-        scale = _scale(tl, drop, b, h, i, j)
-        return acc + dropped_grad(p, dp, delta_ref[b, h, rows], scale)
+        q, do = ops.q[b, rows, h, :], ops.do[b, rows, h, :]
+        k = ops.k[b, keys, h, :]
+        s, valid = _scores(tl, ops, q, k, b=b, h=h, rows=rows, keys=keys)
+        p = softmax.probs(s, valid, ops.lse[b, h, rows])
+        dp = softmax.dot(do, ops.v[b, keys, h, :], trans_b=True)
+        scale = _scale(tl, ops.drop, b=b, h=h, i=i, j=j)
+        return acc + dropped_grad(p, dp, ops.delta[b, h, rows], scale)
 
     zeros = jnp.zeros((tl.tq, tl.tk), jnp.float32)
     out_ref[...] = jax.lax.fori_loop(0, tl.batch, one_row, zeros)
 
 
-def _forward(tl: Tiles, q, k, v, mask, bias, *drop):
+def _whole_drop(drop: Drop | None) -> Drop | None:
+    """The dropout's block specs: its arrays whole."""
+    return None if drop is None else Drop(call.whole(), call.whole(), call.whole())
+
+
+def _forward(tl: Tiles, x: Inputs, drop: Drop | None):
     name = "decoder_attention_fwd"
     tl = tl.split(name)
-    o, lse = call.call(
-        _kernel(tl, _fwd_kernel, 5),
+    whole = call.whole()
+    specs = Forward(
+        q=query_tile(tl), k=whole, v=whole, mask=whole, bias=whole, drop=_whole_drop(drop)
+    )
+    (out,) = call.call(
+        functools.partial(_fwd_kernel, tl),
         name,
         flops=tl.flops(2),
         grid=(tl.batch, tl.heads, tl.t // tl.tq * tl.parts),
-        in_specs=[query_tile(tl)] + [call.whole()] * (4 + len(drop)),
-        out_specs=[out_tile(tl), out_stat(tl)],
-        out_shape=[
-            out_type(tl, q.shape, q.dtype, q),
-            out_type(tl, (tl.batch, tl.heads, tl.t), jnp.float32, q),
-        ],
-    )(q, k, v, mask, bias, *drop)
-    return (o, lse) if tl.parts == 1 else _combine(o, lse, q.dtype)
+        in_specs=(specs,),
+        out_specs=(Output(out_tile(tl), out_stat(tl)),),
+        out_shape=(
+            Output(
+                out_type(tl, x.q.shape, x.q.dtype, x.q),
+                out_type(tl, (tl.batch, tl.heads, tl.t), jnp.float32, x.q),
+            ),
+        ),
+    )(Forward(*x, drop))
+    return tuple(out) if tl.parts == 1 else _combine(out.o, out.lse, x.q.dtype)
 
 
 def _combine(o_PBTHK, lse_PBHT, dtype):
@@ -175,64 +181,78 @@ def _combine(o_PBTHK, lse_PBHT, dtype):
     return o.astype(dtype), jnp.where(seen, m + jnp.log(total), 0.0)
 
 
-def _backward(tl: Tiles, q, k, v, mask, bias, o, lse, do, *drop):
-    delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    whole, extra = call.whole(), [call.whole()] * len(drop)
+def _backward(tl: Tiles, x: Inputs, res: Residuals, drop: Drop | None):
+    q, do = x.q, res.do
+    delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), res.o.astype(jnp.float32))
+    whole, drops = call.whole(), _whole_drop(drop)
     dq_tl = tl.split("decoder_attention_dq")
-    dq = call.call(
-        _kernel(dq_tl, _dq_kernel, 8),
+    query_grad = QueryGrad(
+        q=q, do=do, lse=res.lse, delta=delta, k=x.k, v=x.v, mask=x.mask, bias=x.bias, drop=drop
+    )
+    (dq,) = call.call(
+        functools.partial(_dq_kernel, dq_tl),
         "decoder_attention_dq",
         flops=tl.flops(3),
         grid=(tl.batch, tl.heads, tl.t // tl.tq * dq_tl.parts),
-        in_specs=[query_tile(dq_tl)] * 2 + [stat(dq_tl)] * 2 + [whole] * 4 + extra,
-        out_specs=out_tile(dq_tl),
-        out_shape=out_type(dq_tl, q.shape, q.dtype, q),
-    )(q, do, lse, delta, k, v, mask, bias, *drop)
+        in_specs=(QueryGrad(*[query_tile(dq_tl)] * 2, *[stat(dq_tl)] * 2, *[whole] * 4, drops),),
+        out_specs=(out_tile(dq_tl),),
+        out_shape=(out_type(dq_tl, q.shape, q.dtype, q),),
+    )(query_grad)
     if dq_tl.parts > 1:
         dq = dq.sum(0).astype(q.dtype)
-    dk, dv = call.call(
-        _kernel(tl, _dkv_kernel, 8),
+    (grads,) = call.call(
+        functools.partial(_dkv_kernel, tl),
         "decoder_attention_dkv",
         flops=tl.flops(4),
         grid=(tl.batch, tl.heads, tl.s // tl.tk),
-        in_specs=[key_tile(tl), key_tile(tl)] + [whole] * 6 + extra,
-        out_specs=[key_tile(tl), key_tile(tl)],
-        out_shape=[placement.out(k.shape, k.dtype, q), placement.out(v.shape, v.dtype, q)],
-    )(k, v, q, do, lse, delta, mask, bias, *drop)
+        in_specs=(KeyGrad(key_tile(tl), key_tile(tl), *[whole] * 6, drops),),
+        out_specs=(KeyGrads(key_tile(tl), key_tile(tl)),),
+        out_shape=(
+            KeyGrads(
+                placement.out(x.k.shape, x.k.dtype, q), placement.out(x.v.shape, x.v.dtype, q)
+            ),
+        ),
+    )(
+        KeyGrad(
+            k=x.k, v=x.v, q=q, do=do, lse=res.lse, delta=delta, mask=x.mask, bias=x.bias,
+            drop=drop,
+        )
+    )  # fmt: skip
     if not tl.bias:
-        return dq, dk, dv
-    dbias = call.call(
-        _kernel(tl, _dbias_kernel, 8),
+        return dq, grads.dk, grads.dv
+    (dbias,) = call.call(
+        functools.partial(_dbias_kernel, tl),
         "decoder_attention_dbias",
         flops=tl.flops(2),
         grid=(tl.heads, tl.t // tl.tq, tl.s // tl.tk),
-        in_specs=[whole] * 8 + extra,
-        out_specs=pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),
-        out_shape=placement.out(bias.shape, jnp.float32, q),
-    )(q, do, lse, delta, k, v, mask, bias, *drop)
-    return dq, dk, dv, dbias
+        in_specs=(QueryGrad(*[whole] * 8, drops),),
+        out_specs=(pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),),
+        out_shape=(placement.out(x.bias.shape, jnp.float32, q),),
+    )(query_grad)
+    return dq, grads.dk, grads.dv, dbias
 
 
 _STAT = ("batch", "heads", None)
 
 
-def _placed(tl: Tiles, run, arrays: list, drop, outs: tuple):
-    """run(tiles of each device's shard, *arrays, *drop) on each device's own rows and heads
-    (the forward and the backward are placed apart, so their residuals are ordinary arrays);
-    the bias' gradient lacks `batch` and is summed over the rows' devices."""
+def _placed(tl: Tiles, run, operands: tuple, drop: Drop | None, outs: tuple):
+    """run(tiles of each device's shard, *operands, drop) on each device's own rows and heads,
+    `operands` the inputs (and the residuals); the forward and the backward are placed apart,
+    so their residuals are ordinary arrays. The bias' gradient lacks `batch` and is summed over
+    the rows' devices."""
     bias = ("heads", None, None) if tl.bias else (None, None, None)
-    axes = [placement.ROWS] * 3 + [
-        ("batch", None, None),
-        bias,
-        placement.ROWS,
-        _STAT,
-        placement.ROWS,
-    ]
-    axes = axes[: len(arrays)] + (DROP_AXES if drop is not None else [])
+    axes = [placement.ROWS] * 3 + [("batch", None, None), bias]
+    axes += [placement.ROWS, _STAT, placement.ROWS][: len(operands) * 3 - 3]
+    arrays = [x for record in operands for x in record]
+    inputs = len(arrays)
+    axes += DROP_AXES if drop is not None else []
 
     def on_shard(*shards):
-        return run(dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2]),
-                    *shards)  # fmt: skip
+        local = dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2])
+        records = [Inputs(*shards[:5])]
+        if len(operands) > 1:  # the backward's
+            records.append(Residuals(*shards[5:8]))
+        return run(local, *records, Drop(*shards[inputs:]) if drop is not None else None)
 
     outs = tuple(bias if o == "bias" else o for o in outs)
     arrays = arrays + ([] if drop is None else list(drop))
@@ -240,22 +260,22 @@ def _placed(tl: Tiles, run, arrays: list, drop, outs: tuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(tl, q, k, v, mask, bias, drop):
-    return _placed(tl, _forward, [q, k, v, mask, bias], drop, (placement.ROWS, _STAT))[0]
+def _attention(tl: Tiles, x: Inputs, drop: Drop | None):
+    return _placed(tl, _forward, (x,), drop, (placement.ROWS, _STAT))[0]
 
 
-def _attention_fwd(tl, q, k, v, mask, bias, drop):
-    o, lse = _placed(tl, _forward, [q, k, v, mask, bias], drop, (placement.ROWS, _STAT))
+def _attention_fwd(tl: Tiles, x: Inputs, drop: Drop | None):
+    o, lse = _placed(tl, _forward, (x,), drop, (placement.ROWS, _STAT))
     o, lse = call.saveable(o, lse)
-    return o, (q, k, v, mask, bias, o, lse, drop)
+    return o, (x, o, lse, drop)
 
 
-def _attention_bwd(tl, res, do):
+def _attention_bwd(tl: Tiles, saved, do):
+    x, o, lse, drop = saved
     outs = (placement.ROWS,) * 3 + (("bias",) if tl.bias else ())
-    *arrays, drop = res
-    grads = _placed(tl, _backward, [*arrays, do], drop, outs)
-    bias = res[4]
-    return (*grads[:3], None, grads[3] if tl.bias else jnp.zeros_like(bias), None)
+    grads = _placed(tl, _backward, (x, Residuals(o, lse, do)), drop, outs)
+    dbias = grads[3] if tl.bias else jnp.zeros_like(x.bias)
+    return Inputs(*grads[:3], None, dbias), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -282,7 +302,10 @@ def attention(
     tq, tk = _tile_size(t), _tile_size(k_BSHK.shape[1])
     tp, sp = -(-t // tq) * tq, -(-k_BSHK.shape[1] // tk) * tk
     rows, rate = mask.shape[1], dropout[2] if dropout else 0.0
-    tl = Tiles(b, h, k, tq, tk, tp, sp, rows, bias_HTS is not None, rate)
+    tl = Tiles(
+        batch=b, heads=h, head_dim=k, tq=tq, tk=tk, t=tp, s=sp, mask_rows=rows,
+        bias=bias_HTS is not None, rate=rate,
+    )  # fmt: skip
     q = call.pad(q_BTHK, {1: tp})
     keys, values = call.pad(k_BSHK, {1: sp}), call.pad(v_BSHK, {1: sp})
     mask = call.pad(mask.astype(jnp.int8), {1: tp if rows > 1 else 1, 2: sp})
@@ -291,4 +314,5 @@ def attention(
     else:
         bias = call.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
     drop = Drop.of(dropout[0], dropout[1], h) if rate else None
-    return _attention(tl, q, keys, values, mask, bias, drop)[:, :t]
+    x = Inputs(q=q, k=keys, v=values, mask=mask, bias=bias)
+    return _attention(tl, x, drop)[:, :t]

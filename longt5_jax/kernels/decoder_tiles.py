@@ -1,15 +1,17 @@
-"""The static tiles of one call of the decoder's fused attention (`decoder`) and their block
-specs over [B, T, H, K] arrays. Letter key as `decoder`."""
+"""The static tiles of one call of the decoder's fused attention (`decoder`), their block specs
+over [B, T, H, K] arrays and each kernel's operands by name. Letter key as `decoder`."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from longt5_jax.kernels import launch, placement
+from longt5_jax.kernels.dropout import Drop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +95,70 @@ def out_stat(tl: Tiles) -> pl.BlockSpec:
     return pl.BlockSpec(
         (None, None, None, tl.tq), lambda b, h, p: (tl.program(p)[1], b, h, tl.program(p)[0])
     )
+
+
+class Inputs(NamedTuple):
+    """The attention's inputs, padded to whole tiles."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    bias: jax.Array
+
+
+class Residuals(NamedTuple):
+    """What the backward takes beside the inputs."""
+
+    o: jax.Array
+    lse: jax.Array
+    do: jax.Array
+
+
+class Forward(NamedTuple):
+    """The forward's operands (arrays, or their block specs), in the order of its call."""
+
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    bias: Any
+    drop: Drop | None  # None without dropout
+
+
+class QueryGrad(NamedTuple):
+    """dq's and the bias gradient's operands."""
+
+    q: Any
+    do: Any
+    lse: Any
+    delta: Any
+    k: Any
+    v: Any
+    mask: Any
+    bias: Any
+    drop: Drop | None
+
+
+class KeyGrad(NamedTuple):
+    """dk's and dv's operands."""
+
+    k: Any
+    v: Any
+    q: Any
+    do: Any
+    lse: Any
+    delta: Any
+    mask: Any
+    bias: Any
+    drop: Drop | None
+
+
+class Output(NamedTuple):
+    o: Any
+    lse: Any
+
+
+class KeyGrads(NamedTuple):
+    dk: Any
+    dv: Any

@@ -65,13 +65,13 @@ class Drop(NamedTuple):
 DROP_AXES = [(None,), ("batch",), ("heads",)]
 
 
-def drop_scale(rate: float, drop_refs, b, h, query_ids, key_ids):
-    """[Q, C] dropout scale of queries x keys of row b, head h, or None without dropout."""
+def drop_scale(rate: float, drop: Drop | None, b, h, *, queries, keys):
+    """[Q, C] dropout scale of `queries` x `keys` (token positions) of row b, head h, from the
+    `drop` refs, or None without dropout."""
     if not rate:
         return None
-    seed_ref, rows_ref, heads_ref = drop_refs
-    row, head = rows_ref[b], heads_ref[h]
-    return dropout_scale(seed_ref[0], row, head, query_ids[:, None], key_ids[None, :], rate)
+    row, head = drop.rows[b], drop.heads[h]
+    return dropout_scale(drop.seed[0], row, head, queries[:, None], keys[None, :], rate)
 
 
 def dropped_grad(p, dp, delta, scale):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,8 @@ from longt5_jax.kernels import call, placement, softmax
 from longt5_jax.kernels import encoder_grad as grad
 from longt5_jax.kernels import encoder_tiles as tiles
 from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale
-from longt5_jax.kernels.encoder_geometry import Geometry, Side, geometry
+from longt5_jax.kernels.encoder_geometry import Geometry, Inputs, Side, geometry
+from longt5_jax.kernels.encoder_operands import Forward, Output, Saved
 
 __all__ = ["Side", "encoder_attention"]
 
@@ -45,64 +47,55 @@ __all__ = ["Side", "encoder_attention"]
 # -- forward ------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(geo: Geometry, *refs):
-    (o_ref, lse_ref), (own, side_refs, drop_refs) = refs[-2:], tiles.split_refs(geo, refs[:-2], 12)
-    q_ref, k_refs, v_refs = own[0], own[1:4], own[4:7]
-    sq_ref, sk_refs, bias_ref = own[7], own[8:11], own[11]
+def _fwd_kernel(geo: Geometry, ops: Forward, out: Output):
     b, h = pl.program_id(0), pl.program_id(1)
     n, half, rows = tiles.query_part(geo, pl.program_id(2))
-    q, seg_q = q_ref[...], sq_ref[...]
+    q, seg_q = ops.local.q[...], ops.local.seg_q[...]
     state = (
-        jnp.full((geo.qw,), -jnp.inf, jnp.float32),
-        jnp.zeros((geo.qw,), jnp.float32),
-        jnp.zeros((geo.qw, geo.head_dim), jnp.float32),
+        jnp.full((geo.query_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((geo.query_rows,), jnp.float32),
+        jnp.zeros((geo.query_rows, geo.head_dim), jnp.float32),
     )
 
-    def local(state, s, _, v, keys):
-        return softmax.online(state, s, None, v, drop_scale(geo.rate, drop_refs, b, h, rows, keys))
+    def local(state, s, _, v, *, keys):
+        scale = drop_scale(geo.rate, ops.drop, b, h, queries=rows, keys=keys)
+        return softmax.online(state, s, None, v, scale=scale)
 
-    local_refs = (k_refs, v_refs, sk_refs, bias_ref)
-    state = tiles.local_keys(geo, n, b, h, half, local_refs, q, seg_q, local, state)
-    if geo.g:
-        side_rows = tiles.side_rows(geo, side_refs[2][...], side_refs[3], b)
-
-        def chunk(j, state):
-            s, _, v = tiles.side_chunk(geo, q, j, b, h, side_rows, side_refs)
-            keys = tiles.side_key_ids(geo, j)
-            return softmax.online(
-                state, s, None, v, drop_scale(geo.rate, drop_refs, b, h, rows, keys)
-            )
-
-        state = jax.lax.fori_loop(0, geo.gp // geo.c, chunk, state)
+    where = {"n": n, "b": b, "h": h, "half": half}
+    state = tiles.every_key(geo, ops, local, state, **where, q=q, seg_q=seg_q)
     m, l, acc = state
     seen = softmax.seen(m)
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
-        o_ref.dtype
+    out.o[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
+        out.o.dtype
     )
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+    out.lse[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
 
 
-def _forward(geo: Geometry, q, k, v, seg, bias, side: Side | None, gq, drop):
+def _forward(geo: Geometry, x: Inputs, extras: Extras):
     name = geo.kernel("fwd")
     geo = geo.splits(name)
-    specs, arrays = tiles.local_inputs(geo, q, k, v, seg, bias)
+    local, local_specs = tiles.local_operands(geo, x)
+    side_ops = side_specs = None
     if geo.g:
-        side_specs, side_arrays = tiles.side_inputs(geo, side, gq)
-        specs, arrays = specs + side_specs, arrays + side_arrays
-    specs, arrays = tiles.with_drop(geo, specs, arrays, drop)
-    b, length = seg.shape
-    return call.call(
+        side_ops, side_specs = tiles.side_operands(geo, extras.side, extras.gq)
+    b, length = x.seg.shape
+    (out,) = call.call(
         functools.partial(_fwd_kernel, geo),
         name,
         flops=geo.flops(2, 2),
         grid=(geo.batch, geo.heads, geo.n * geo.split),
-        in_specs=specs,
-        out_specs=[tiles.tile(geo, rows=geo.qw), tiles.stat(geo, rows=geo.qw)],
-        out_shape=[
-            placement.out(q.shape, q.dtype, q),
-            placement.out((b, geo.heads, length), jnp.float32, q),
-        ],
-    )(*arrays)
+        in_specs=(Forward(local_specs, side_specs, tiles.whole_drop(extras.drop)),),
+        out_specs=(
+            Output(tiles.tile(geo, rows=geo.query_rows), tiles.stat(geo, rows=geo.query_rows)),
+        ),
+        out_shape=(
+            Output(
+                placement.out(x.q.shape, x.q.dtype, x.q),
+                placement.out((b, geo.heads, length), jnp.float32, x.q),
+            ),
+        ),
+    )(Forward(local, side_ops, extras.drop))
+    return tuple(out)
 
 
 # -- the differentiable function ----------------------------------------------------------------
@@ -123,75 +116,83 @@ def _side_axes(side: Side | None) -> list:
     return [] if side is None else [a for a, x in zip(_SIDE, side, strict=True) if x is not None]
 
 
-def _optional(side, gq, drop) -> tuple[list, list]:
+class Extras(NamedTuple):
+    """The optional inputs: TGlobal's side keys and each token's global block (None for
+    Local), the dropout's arrays (None without)."""
+
+    side: Side | None
+    gq: jax.Array | None
+    drop: Drop | None
+
+
+def _optional(extras: Extras) -> tuple[list, list]:
     """The optional inputs in their order (the side's fields and block ids, the dropout's) and
     their logical axes."""
     arrays, axes = [], []
-    if side is not None:
-        arrays += [*_flat(side), gq]
-        axes += [*_side_axes(side), ("batch", None)]
-    if drop is not None:
-        arrays += list(drop)
+    if extras.side is not None:
+        arrays += [*_flat(extras.side), extras.gq]
+        axes += [*_side_axes(extras.side), ("batch", None)]
+    if extras.drop is not None:
+        arrays += list(extras.drop)
         axes += DROP_AXES
     return arrays, axes
 
 
-def _unpack(geo, rest) -> tuple:
-    """(side, block ids, drop) back from `_optional`'s arrays on a device."""
+def _unpack(geo, rest) -> Extras:
+    """The optional inputs back from `_optional`'s arrays on a device."""
     side = gq = drop = None
     if geo.g:
         side, gq, rest = Side(rest[0], rest[1], rest[2], None, rest[3]), rest[4], rest[5:]
     if geo.rate:
         drop = Drop(*rest[:3])
-    return side, gq, drop
+    return Extras(side, gq, drop)
 
 
 def _local(geo, q):
     return dataclasses.replace(geo, batch=q.shape[0], heads=q.shape[2])
 
 
-def _placed_forward(geo, q, k, v, seg, bias, side, gq, drop):
+def _placed_forward(geo: Geometry, x: Inputs, extras: Extras):
     def forward(q, k, v, seg, bias, *rest):
-        return _forward(_local(geo, q), q, k, v, seg, bias, *_unpack(geo, rest))
+        return _forward(_local(geo, q), Inputs(q, k, v, seg, bias), _unpack(geo, rest))
 
-    extra, extra_axes = _optional(side, gq, drop)
+    extra, extra_axes = _optional(extras)
     axes = [placement.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
-    return placement.on_own_rows_and_heads(
-        forward, [q, k, v, seg, bias, *extra], axes, (placement.ROWS, _STAT)
-    )
+    return placement.on_own_rows_and_heads(forward, [*x, *extra], axes, (placement.ROWS, _STAT))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(geo, q, k, v, seg, bias, side, gq, drop):
-    return _placed_forward(geo, q, k, v, seg, bias, side, gq, drop)[0]
+def _attention(geo: Geometry, x: Inputs, extras: Extras):
+    return _placed_forward(geo, x, extras)[0]
 
 
-def _attention_fwd(geo, q, k, v, seg, bias, side, gq, drop):
-    o, lse = call.saveable(*_placed_forward(geo, q, k, v, seg, bias, side, gq, drop))
-    return o, (q, k, v, seg, bias, side, gq, o, lse, drop)
+def _attention_fwd(geo: Geometry, x: Inputs, extras: Extras):
+    o, lse = call.saveable(*_placed_forward(geo, x, extras))
+    return o, (x, extras, o, lse)
 
 
-def _attention_bwd(geo, res, do):
-    q, k, v, seg, bias, side, gq, o, lse, drop = res
+def _attention_bwd(geo: Geometry, saved, do):
+    x, extras, o, lse = saved
 
     def backward(q, k, v, seg, bias, o, lse, do, *rest):
-        side, gq, drop = _unpack(geo, rest)
-        local_res = (q, k, v, seg, bias, side, gq, o, lse, drop)
-        dq, dk, dv, dbias, d_side = grad.backward(_local(geo, q), local_res, do)
-        return (dq, dk, dv, dbias) + (d_side if side is not None else ())
+        local = _unpack(geo, rest)
+        saved = Saved(o, lse, do)
+        dq, dk, dv, dbias, d_side = grad.backward(
+            _local(geo, q), Inputs(q, k, v, seg, bias), local, saved
+        )
+        return (dq, dk, dv, dbias) + (d_side if local.side is not None else ())
 
-    extra, extra_axes = _optional(side, gq, drop)
+    extra, extra_axes = _optional(extras)
     axes = [placement.ROWS] * 3 + [("batch", None), ("heads", None, None), placement.ROWS, _STAT]
     axes += [placement.ROWS, *extra_axes]
     # The bias tables' gradients lack `batch`: the placement sums them over the rows' devices.
     outs = (placement.ROWS, placement.ROWS, placement.ROWS, ("heads", None, None))
-    if side is not None:
+    if extras.side is not None:
         outs += (placement.ROWS, placement.ROWS, ("heads", None))
-    grads = placement.on_own_rows_and_heads(
-        backward, [q, k, v, seg, bias, o, lse, do, *extra], axes, outs
-    )
-    d_side = None if side is None else Side(*grads[4:], None, None)
-    return grads[0], grads[1], grads[2], None, grads[3], d_side, None, None
+    grads = placement.on_own_rows_and_heads(backward, [*x, o, lse, do, *extra], axes, outs)
+    d_side = None if extras.side is None else Side(*grads[4:], None, None)
+    d_inputs = Inputs(grads[0], grads[1], grads[2], None, grads[3])
+    return d_inputs, Extras(d_side, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -202,6 +203,7 @@ def encoder_attention(
     k_BLHK: jax.Array,
     v_BLHK: jax.Array,
     segment_ids: jax.Array,
+    *,
     local_bias_HWX: jax.Array,
     side: Side | None,
     global_block_size: int,
@@ -213,7 +215,8 @@ def encoder_attention(
     (the layer's int32 seed, the rows' global ids [B], rate), as `dropout.attention_keep`."""
     length, w = q_BLHK.shape[1], local_bias_HWX.shape[1]
     g = 0 if side is None else side.k_BGHK.shape[1]
-    geo = geometry(q_BLHK, w, g, global_block_size, dropout[2] if dropout else 0.0)
+    rate = dropout[2] if dropout else 0.0
+    geo = geometry(q_BLHK, w=w, g=g, global_block=global_block_size, rate=rate)
     lp = geo.n * w
     q, k, v = (call.pad(x, {1: lp}) for x in (q_BLHK, k_BLHK, v_BLHK))
     seg = call.pad(segment_ids.astype(jnp.int32), {1: lp})
@@ -221,15 +224,16 @@ def encoder_attention(
     if geo.g:
         gq = call.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
         side = Side(
-            call.pad(side.k_BGHK, {1: geo.gp}),
-            call.pad(side.v_BGHK, {1: geo.gp}),
+            call.pad(side.k_BGHK, {1: geo.side_padded}),
+            call.pad(side.v_BGHK, {1: geo.side_padded}),
             side.bias_HD.astype(jnp.float32),
             None,
-            call.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.gp}),
+            call.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.side_padded}),
         )
     else:
         side = None
     if geo.rate:
         drop = Drop.of(dropout[0], dropout[1], geo.heads)
     bias = local_bias_HWX.astype(jnp.float32)
-    return _attention(geo, q, k, v, seg, bias, side, gq, drop)[:, :length]
+    x = Inputs(q=q, k=k, v=v, seg=seg, bias=bias)
+    return _attention(geo, x, Extras(side=side, gq=gq, drop=drop))[:, :length]

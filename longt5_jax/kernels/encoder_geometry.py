@@ -22,6 +22,17 @@ class Side(NamedTuple):
     global_segment_ids: jax.Array  # [B, G] int32
 
 
+class Inputs(NamedTuple):
+    """The attention's own inputs, padded to whole blocks: q, k, v [B, L, H, K], the segment ids
+    [B, L] and the local bias [H, W, 3W]."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    seg: jax.Array
+    bias: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static shapes of one call."""
@@ -32,21 +43,21 @@ class Geometry:
     w: int  # block length W
     n: int  # blocks N
     g: int  # side keys G (0: Local, or inputs shorter than a global block)
-    c: int  # side keys per chunk
+    side_chunk: int  # side keys a tile, C
     u: int  # one-hot rows for the side bias gradient
-    kb: int  # keys per chunk of a local key block (W / kb chunks a block)
-    gp: int  # side keys padded to whole chunks of the call's widest C (0: none)
-    rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays last)
-    split: int = 1  # programs a query block of the forward and dq (`splits`), each qw rows
+    key_chunk: int  # keys a tile of a local key block (W / key_chunk tiles a block)
+    side_padded: int  # side keys padded to whole chunks of the call's widest C (0: none)
+    rate: float = 0.0  # attention dropout (0: none; else the kernels take `Drop`'s arrays)
+    split: int = 1  # programs a query block of the forward and dq (`splits`), query_rows each
     looped: bool = False  # the forward's and dq's local keys in a loop (`local_keys`)
 
     @property
     def parts(self) -> int:
-        """Parts of kb keys a local key block is taken in."""
-        return self.w // self.kb
+        """Parts of key_chunk keys a local key block is taken in."""
+        return self.w // self.key_chunk
 
     @property
-    def qw(self) -> int:
+    def query_rows(self) -> int:
         """Query rows a program of the forward and dq holds."""
         return self.w // self.split
 
@@ -59,10 +70,13 @@ class Geometry:
         """The parts of a query block (of `split`) whose every query is beyond the radius (W - 1)
         of every key of part `part` of key block n - 1 + c: their scores are all NEG, so they
         skip that chunk (at W = 128 and split 2, one chunk in six)."""
-        keys = (part * self.kb, (part + 1) * self.kb - 1)  # first and last, within the block
+        keys = (
+            part * self.key_chunk,
+            (part + 1) * self.key_chunk - 1,
+        )  # first and last, within the block
 
         def nearest(s):  # the least |query - key| over part s of the queries and those keys
-            rows = (s * self.qw, (s + 1) * self.qw - 1)
+            rows = (s * self.query_rows, (s + 1) * self.query_rows - 1)
             if c == 0:
                 return self.w + rows[0] - keys[1]
             return self.w + keys[0] - rows[1] if c == 2 else 0
@@ -70,7 +84,7 @@ class Geometry:
         return tuple(s for s in range(self.split) if nearest(s) > self.w - 1)
 
     @property
-    def rb(self) -> int:
+    def bias_blocks(self) -> int:
         """Query blocks R whose local bias gradient one program sums: the largest of 8, 4, 2
         dividing N that leaves DBIAS_PROGRAMS programs (H N / R) to fill the GPU, so the
         [H, N / R, W, 3W] float32 partial sums XLA then adds up are R times smaller (at base
@@ -83,8 +97,8 @@ class Geometry:
         query block (the local keys it does not skip, `beyond`)."""
         local = sum(self.split - len(self.beyond(*chunk)) for chunk in self.local_chunks)
         per_block = (
-            2 * self.qw * self.head_dim * self.kb * local * local_matmuls
-            + 2 * self.w * self.head_dim * self.gp * side_matmuls
+            2 * self.query_rows * self.head_dim * self.key_chunk * local * local_matmuls
+            + 2 * self.w * self.head_dim * self.side_padded * side_matmuls
         )
         return self.batch * self.heads * self.n * per_block
 
@@ -108,15 +122,15 @@ class Geometry:
         registers a thread, more programs an SM, more instructions a key) and the local keys
         are taken in a loop (`local_keys`)."""
         split = launch.split_of(name)
-        if split == 1 or self.w % split or self.w // split != self.kb or self.kb < 16:
+        if split == 1 or self.w % split or self.w // split != self.key_chunk or self.key_chunk < 16:
             geo = dataclasses.replace(self, split=1)
         else:
-            geo = dataclasses.replace(self, split=split, c=min(self.c, 32))
+            geo = dataclasses.replace(self, split=split, side_chunk=min(self.side_chunk, 32))
         keys = launch.keys_of(name)
-        kb = keys if 16 <= keys < geo.kb and self.w % keys == 0 else geo.kb
+        kb = keys if 16 <= keys < geo.key_chunk and self.w % keys == 0 else geo.key_chunk
         # Any power of two below C divides the padded side keys (whole chunks of C).
-        c = keys if 16 <= keys < geo.c and keys & (keys - 1) == 0 else geo.c
-        return dataclasses.replace(geo, kb=kb, c=c, looped=bool(keys))
+        c = keys if 16 <= keys < geo.side_chunk and keys & (keys - 1) == 0 else geo.side_chunk
+        return dataclasses.replace(geo, key_chunk=kb, side_chunk=c, looped=bool(keys))
 
 
 def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float = 0.0) -> Geometry:
@@ -130,7 +144,10 @@ def geometry(q_BLHK: jax.Array, w: int, g: int, global_block: int, rate: float =
     # holds (at W = 128 with [W, W] tiles every kernel used all 255 registers and spilled;
     # ptxas, sm_90a).
     kb = w // 2 if w % 2 == 0 and w >= 32 else w
-    return Geometry(b, h, k, w, -(-length // w), g, c, u, kb, -(-g // c) * c, rate)
+    return Geometry(
+        batch=b, heads=h, head_dim=k, w=w, n=-(-length // w), g=g, side_chunk=c, u=u,
+        key_chunk=kb, side_padded=-(-g // c) * c, rate=rate,
+    )  # fmt: skip
 
 
 DBIAS_PROGRAMS = 256

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from longt5_jax.kernels import call, softmax
 from longt5_jax.kernels.dropout import SIDE_KEYS, Drop
-from longt5_jax.kernels.encoder_geometry import Geometry, Side
+from longt5_jax.kernels.encoder_geometry import Geometry, Inputs, Side
 
 
 def _rows(geo: Geometry, rows: int) -> tuple[int, int]:
@@ -62,8 +62,8 @@ def key_part(geo: Geometry, rows: bool = False) -> pl.BlockSpec:
     """[kb, K] of a [B, L, H, K] array (or [kb] of a [B, L] one with `rows`): part n of the
     keys, for grid axes (b, h, n) over the parts."""
     if rows:
-        return pl.BlockSpec((None, geo.kb), lambda b, h, n: (b, n))
-    return pl.BlockSpec((None, geo.kb, None, geo.head_dim), lambda b, h, n: (b, n, h, 0))
+        return pl.BlockSpec((None, geo.key_chunk), lambda b, h, n: (b, n))
+    return pl.BlockSpec((None, geo.key_chunk, None, geo.head_dim), lambda b, h, n: (b, n, h, 0))
 
 
 def bias_spec(geo: Geometry, rows: int = 0) -> pl.BlockSpec:
@@ -74,7 +74,7 @@ def bias_spec(geo: Geometry, rows: int = 0) -> pl.BlockSpec:
     return pl.BlockSpec((None, size, 3 * geo.w), lambda b, h, n: (h, n % parts, 0))
 
 
-def local_masked(geo: Geometry, s, n, c, part, seg_q, seg_k):
+def local_masked(geo: Geometry, s, seg_q, seg_k, *, n, c, part):
     """Scores [W, kb] of query block n against part `part` of key block n - 1 + c, -inf where a
     key is out of range or of another segment, or the query is padding; a key beyond the
     radius is NEG already (`long_attention.local_bias`). Where the query block and the keys
@@ -104,33 +104,36 @@ class SideRows(NamedTuple):
     segments: jax.Array  # [U] int32, the segment of each row's global block (-1: none)
 
 
-def side_rows(geo: Geometry, gq, gseg_ref, b) -> SideRows:
+def side_rows(geo: Geometry, gq, segments_ref, b) -> SideRows:
     present = gq >= 0
     first = jnp.min(jnp.where(present, gq, geo.g))
     u = jnp.where(present, gq - first + 1, 0)
     onehot = (u[:, None] == jnp.arange(geo.u)[None, :]).astype(jnp.bfloat16)
     blocks = first - 1 + jnp.arange(geo.u)
     real = (jnp.arange(geo.u) > 0) & (blocks < geo.g)
-    segments = jnp.where(real, gseg_ref[b, jnp.clip(blocks, 0, geo.g - 1)], -1)
+    segments = jnp.where(real, segments_ref[b, jnp.clip(blocks, 0, geo.g - 1)], -1)
     return SideRows(onehot, first, segments)
 
 
-def side_slab(geo: Geometry, rows: SideRows, j, h, b, gseg_ref, sbias_ref):
+def side_slab(geo: Geometry, rows: SideRows, side: SideOperands, *, j, h, b):
     """[U, C] float32: the side bias of each row's global block to side keys chunk j, NEG where
     their segments differ. A query's bias and mask depend on its global block alone (its own
     segment is its block's; a query in none sees no side key), so a block's [W, C] terms are
     onehot @ slab, on the tensor cores (`select_sum`): gathering them per query cost 10
     instructions an element, a third of the side loop's (SASS, sm_90a)."""
-    g = j * geo.c + jnp.arange(geo.c)
+    g = j * geo.side_chunk + jnp.arange(geo.side_chunk)
     blocks = rows.first - 1 + jnp.arange(geo.u)
     index = jnp.clip(g[None, :] - blocks[:, None] - 1 + geo.g, 0, 2 * geo.g - 1)
-    same = rows.segments[:, None] == gseg_ref[b, pl.ds(j * geo.c, geo.c)][None, :]
-    return jnp.where(same, sbias_ref[h, index], softmax.NEG)
+    same = (
+        rows.segments[:, None]
+        == side.segments[b, pl.ds(j * geo.side_chunk, geo.side_chunk)][None, :]
+    )
+    return jnp.where(same, side.bias[h, index], softmax.NEG)
 
 
 def local_columns(geo: Geometry, c, part):
     """The columns of part `part` of key block c in a [W, 3W] local bias (or its gradient)."""
-    return pl.ds(c * geo.w + part * geo.kb, geo.kb)
+    return pl.ds(c * geo.w + part * geo.key_chunk, geo.key_chunk)
 
 
 def local_bias(geo: Geometry, bias_ref, c, part):
@@ -138,28 +141,18 @@ def local_bias(geo: Geometry, bias_ref, c, part):
     return bias_ref[:, local_columns(geo, c, part)]
 
 
-def side_chunk(geo: Geometry, q, j, b, h, rows: SideRows, side_refs):
+def side_chunk(geo: Geometry, q, side: SideOperands, rows: SideRows, *, j, b, h):
     """(biased and masked scores, keys, values) of a query block against side keys chunk j."""
-    sk_ref, sv_ref, _, gseg_ref, sbias_ref = side_refs
-    keys = pl.ds(j * geo.c, geo.c)
-    slab = side_slab(geo, rows, j, h, b, gseg_ref, sbias_ref)
-    k = sk_ref[b, keys, h, :]
+    keys = pl.ds(j * geo.side_chunk, geo.side_chunk)
+    slab = side_slab(geo, rows, side, j=j, h=h, b=b)
+    k = side.k[b, keys, h, :]
     s = softmax.select_sum(rows.onehot, slab, into=softmax.dot(q, k, trans_b=True))
-    return s, k, sv_ref[b, keys, h, :]
+    return s, k, side.v[b, keys, h, :]
 
 
-def split_refs(geo: Geometry, inputs, fixed: int):
-    """A kernel's input refs as (its own first `fixed`, the side's if any, the dropout's if
-    any): side and dropout inputs come last, in that order."""
-    drop = inputs[len(inputs) - 3 :] if geo.rate else ()
-    return inputs[:fixed], inputs[fixed : len(inputs) - len(drop)], drop
-
-
-def with_drop(geo: Geometry, specs: list, arrays: list, drop: Drop | None):
-    """The dropout's arrays (whole) appended to a kernel's inputs when it drops out."""
-    if not geo.rate:
-        return specs, arrays
-    return specs + [call.whole()] * 3, arrays + list(drop)
+def whole_drop(drop: Drop | None) -> Drop | None:
+    """The dropout's block specs (its arrays whole), None without dropout."""
+    return None if drop is None else Drop(call.whole(), call.whole(), call.whole())
 
 
 def query_ids(geo: Geometry, n, rows: int = 0):
@@ -170,31 +163,47 @@ def query_ids(geo: Geometry, n, rows: int = 0):
 
 def local_key_ids(geo: Geometry, n, c, part):
     """Token positions of part `part` of key block n - 1 + c (the XLA path's n W + x - W)."""
-    return (n - 1 + c) * geo.w + part * geo.kb + jnp.arange(geo.kb)
+    return (n - 1 + c) * geo.w + part * geo.key_chunk + jnp.arange(geo.key_chunk)
 
 
 def side_key_ids(geo: Geometry, j):
-    return SIDE_KEYS + j * geo.c + jnp.arange(geo.c)
+    return SIDE_KEYS + j * geo.side_chunk + jnp.arange(geo.side_chunk)
 
 
-def local_inputs(geo: Geometry, q, k, v, seg, bias):
-    """In-specs and arrays of the local part, for grid (b, h, n) over the parts of query blocks
-    (`Geometry.split` a block); looped, the keys' whole arrays (the first of each three read)."""
-    qw, per = geo.qw, geo.split
-    keys = [tile(geo, s - 1, per=per) for s in range(3)]
-    rows = [row(geo, s - 1, per=per) for s in range(3)]
+class Local(NamedTuple):
+    """A query block's local operands (arrays, or their block specs): its queries and their
+    segments, key blocks n - 1, n, n + 1 (or, looped, the whole arrays thrice) with theirs, and
+    the local bias."""
+
+    q: Any
+    keys: tuple
+    values: tuple
+    seg_q: Any
+    seg_keys: tuple
+    bias: Any
+
+
+def local_operands(geo: Geometry, x: Inputs) -> tuple[Local, Local]:
+    """(arrays, block specs) of the local part, for grid (b, h, n) over the parts of query
+    blocks (`Geometry.split` a block); looped, the keys' whole arrays."""
+    qw, per = geo.query_rows, geo.split
+    keys = tuple(tile(geo, s - 1, per=per) for s in range(3))
+    rows = tuple(row(geo, s - 1, per=per) for s in range(3))
     if geo.looped:
-        keys = rows = [call.whole()] * 3
-    specs = [tile(geo, rows=qw), *keys, *keys, row(geo, rows=qw), *rows, bias_spec(geo, rows=qw)]
-    return specs, [q, k, k, k, v, v, v, seg, seg, seg, seg, bias]
+        keys = rows = (call.whole(),) * 3
+    specs = Local(tile(geo, rows=qw), keys, keys, row(geo, rows=qw), rows, bias_spec(geo, rows=qw))
+    arrays = Local(
+        q=x.q, keys=(x.k,) * 3, values=(x.v,) * 3, seg_q=x.seg, seg_keys=(x.seg,) * 3, bias=x.bias
+    )
+    return arrays, specs
 
 
 def query_part(geo: Geometry, n):
     """(query block, part of it, token positions) of program n of the forward or dq."""
-    return n // geo.split, n % geo.split, query_ids(geo, n, geo.qw)
+    return n // geo.split, n % geo.split, query_ids(geo, n, geo.query_rows)
 
 
-def local_pass(geo: Geometry, c: int, part: int, half, fn, state):
+def local_pass(geo: Geometry, fn, state, *, c: int, part: int, half):
     """fn(state) for local chunk (c, part), or state where this part of the query block is
     beyond its keys (`Geometry.beyond`)."""
     skip = geo.beyond(c, part)
@@ -204,35 +213,37 @@ def local_pass(geo: Geometry, c: int, part: int, half, fn, state):
     return jax.lax.cond(skipped, lambda s: s, fn, state)
 
 
-def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
-    """fn(state, scores, keys, values, key ids) over each local chunk of query block n (of
-    `refs`: the key, value and key segment refs of `local_inputs`, then the bias'), the scores
+def local_keys(geo: Geometry, local: Local, fn, state, *, n, b, h, half, q, seg_q):
+    """fn(state, scores, keys, values, keys=key ids) over each local chunk of query block n (of
+    the `local` refs), the scores
     biased and masked. Unrolled, each chunk reads its key block's tile and a split program
     skips the chunks beyond it; looped (`Geometry.looped`), one chunk an iteration from the
     whole arrays, none skipped: the unrolled chunks' loads, issued early, held the forward's
     registers at 156 where its side loop needs 122 (ptxas, sm_90a, base TGlobal); looped in 2
     stages, 125: two programs an SM."""
-    k_refs, v_refs, sk_refs, bias_ref = refs
+    k_refs, v_refs, sk_refs, bias_ref = local.keys, local.values, local.seg_keys, local.bias
 
     def chunk(state, c, part, load):  # load(refs): the chunk's keys of one of the three
         k = load(k_refs)
         s = softmax.dot(q, k, trans_b=True) + local_bias(geo, bias_ref, c, part)
-        s = local_masked(geo, s, n, c, part, seg_q, load(sk_refs))
-        return fn(state, s, k, load(v_refs), local_key_ids(geo, n, c, part))
+        s = local_masked(geo, s, seg_q, load(sk_refs), n=n, c=c, part=part)
+        return fn(state, s, k, load(v_refs), keys=local_key_ids(geo, n, c, part))
 
     if not geo.looped:
         for c, part in geo.local_chunks:
 
             def one(state, c=c, part=part):  # loaded inside: a skipped chunk loads nothing
-                keys = pl.ds(part * geo.kb, geo.kb)
+                keys = pl.ds(part * geo.key_chunk, geo.key_chunk)
                 return chunk(state, c, part, lambda refs: refs[c][keys])
 
-            state = local_pass(geo, c, part, half, one, state)
+            state = local_pass(geo, one, state, c=c, part=part, half=half)
         return state
 
     def step(i, state):  # lax's div and rem: jnp's floor division does not lower to Triton
         c, part = jax.lax.div(i, geo.parts), jax.lax.rem(i, geo.parts)
-        keys = pl.ds(jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.kb, geo.kb)
+        keys = pl.ds(
+            jnp.clip(n - 1 + c, 0, geo.n - 1) * geo.w + part * geo.key_chunk, geo.key_chunk
+        )
 
         def load(refs):  # from the whole arrays: [B, L, H, K] keys and values, [B, L] segments
             return refs[0][b, keys] if refs is sk_refs else refs[0][b, keys, h]
@@ -242,7 +253,39 @@ def local_keys(geo: Geometry, n, b, h, half, refs, q, seg_q, fn, state):
     return jax.lax.fori_loop(0, 3 * geo.parts, step, state)
 
 
-def side_inputs(geo: Geometry, side: Side, gq):
-    """In-specs and arrays of the side keys, for the grid of `local_inputs`."""
-    specs = [call.whole(), call.whole(), row(geo, rows=geo.qw), call.whole(), call.whole()]
-    return specs, [side.k_BGHK, side.v_BGHK, gq, side.global_segment_ids, side.bias_HD]
+def every_key(geo: Geometry, ops, fn, state, *, n, b, h, half, q, seg_q):
+    """fn(state, scores, keys, values, keys=key ids) over a query block's local chunks
+    (`local_keys`), then, TGlobal's, its side keys a chunk at a time (`ops.local`, `ops.side`:
+    the forward's or dq's refs)."""
+    state = local_keys(geo, ops.local, fn, state, n=n, b=b, h=h, half=half, q=q, seg_q=seg_q)
+    if not geo.g:
+        return state
+    rows = side_rows(geo, ops.side.blocks[...], ops.side.segments, b)
+
+    def chunk(j, state):
+        s, k, v = side_chunk(geo, q, ops.side, rows, j=j, b=b, h=h)
+        return fn(state, s, k, v, keys=side_key_ids(geo, j))
+
+    return jax.lax.fori_loop(0, geo.side_padded // geo.side_chunk, chunk, state)
+
+
+class SideOperands(NamedTuple):
+    """TGlobal's side keys as a kernel takes them (arrays, or their block specs): keys,
+    values, each query's global block, each side key's segment, the side bias by distance."""
+
+    k: Any
+    v: Any
+    blocks: Any
+    segments: Any
+    bias: Any
+
+
+def side_operands(geo: Geometry, side: Side, gq) -> tuple[SideOperands, SideOperands]:
+    """(arrays, block specs) of the side keys, for the grid of `local_operands`."""
+    whole = call.whole()
+    specs = SideOperands(whole, whole, row(geo, rows=geo.query_rows), whole, whole)
+    arrays = SideOperands(
+        k=side.k_BGHK, v=side.v_BGHK, blocks=gq, segments=side.global_segment_ids,
+        bias=side.bias_HD,
+    )  # fmt: skip
+    return arrays, specs

@@ -197,10 +197,10 @@ class LongSelfAttention(nn.Module):
             k_BLHK,
             v_BLHK,
             segment_ids,
-            local_bias_HWX,
-            fused_side,
-            c.global_block_size,
-            dropout,
+            local_bias_HWX=local_bias_HWX,
+            side=fused_side,
+            global_block_size=c.global_block_size,
+            dropout=dropout,
         )
 
     def _blocked(
