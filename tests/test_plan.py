@@ -128,7 +128,7 @@ def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
     "argv, message",
     [
         (["--model", "huge"], "unknown LongT5 preset 'huge'"),
-        (["--nodes", "0"], "cluster nodes=0"),
+        (["--nodes", "0"], "argument --nodes: expected an integer >= 1, got '0'"),
         (["--model", "tiny", "--nodes", "1", "--gpus_per_node", "3", "--batch_sizes", "16"],
          "no data x tensor x pipeline layout of 3 devices"),
         (["--attention", "sparse"], "LongT5Config.attention='sparse'"),
