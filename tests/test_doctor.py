@@ -182,3 +182,17 @@ def test_the_cache_rows_try_to_write(tmp_path, variable, monkeypatch):
     monkeypatch.setenv(variable, str(tmp_path / "new" / "cache"))
     assert [r.status for r in storage.cache_rows() if r.check == variable] == ["ok"]
     assert not (tmp_path / "new").exists()  # probed in the nearest directory, not created
+
+
+def test_unset_cache_variables_say_where_files_go(tmp_path, monkeypatch):
+    """Unset, LONGT5_JAX_CACHE's default directory must be writable (a HOME that is a file is
+    a failure with its fix); an unset compile cache is no failure, only said."""
+    (tmp_path / "home").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for variable in storage.environment.CACHES:
+        monkeypatch.delenv(variable, raising=False)
+    rows = {r.check: r for r in storage.cache_rows()}
+    assert rows["LONGT5_JAX_CACHE"].status == "fail", rows
+    assert "is a file, not a directory" in rows["LONGT5_JAX_CACHE"].detail
+    assert rows["JAX_COMPILATION_CACHE_DIR"].status == "ok"
+    assert rows["JAX_COMPILATION_CACHE_DIR"].detail.startswith("unset: no cache of compiled")

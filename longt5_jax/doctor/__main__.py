@@ -100,6 +100,8 @@ def environment_rows() -> list[Row]:
         os.environ["XLA_FLAGS"] = environment.without_flags(os.environ["XLA_FLAGS"], unknown)
     elif os.environ.get("XLA_FLAGS", "").strip():
         rows.append(ok("environment", "XLA_FLAGS", "XLA knows every flag"))
+    else:
+        rows.append(ok("environment", "XLA_FLAGS", "unset"))
     requested = environment.requested_platforms()
     if requested:
         # The CPU is always there: the probe (a process starting every backend) only otherwise.

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from longt5_jax import environment
+from longt5_jax.data import cache_dir
 from longt5_jax.data.pipeline import load_tokenizer, open_split
 from longt5_jax.data.sources import expand, open_source
 from longt5_jax.doctor.report import Row, fail, ok, warn
@@ -71,7 +72,24 @@ def cache_rows() -> list[Row]:
             )
         elif value:
             rows.append(ok("storage", name, f"{value} is writable ({holds})"))
+        else:
+            rows.append(_unset_cache_row(name, holds))
     return rows
+
+
+def _unset_cache_row(name: str, holds: str) -> Row:
+    """A cache variable left unset: the derived files go to the default directory, which must
+    be writable; compiled programs are not kept, so each process of each job compiles anew."""
+    if name != "LONGT5_JAX_CACHE":
+        return ok("storage", name, f"unset: no cache of {holds} (export it to reuse them)")
+    default = cache_dir()
+    problem = environment.writable_problem(default)
+    if problem:
+        return fail(
+            "storage", name, f"unset, and its default {default}: {problem}",
+            f"export {name}=<a writable directory>",
+        )  # fmt: skip
+    return ok("storage", name, f"unset: {default} is writable ({holds})")
 
 
 def data_rows(exp: Experiment) -> list[Row]:
