@@ -10,14 +10,17 @@ Map, from what the model sees down:
   `encoder_geometry`: a call's static geometry (`Geometry`, the FLOPs each kernel declares);
   `encoder_tiles`: block specs and the masked scores of local and side keys.
 - `decoder`: the decoder's kernels (causal self-attention with its bias, cross-attention) and
-  their custom VJP; `decoder_tiles`: its tiles and block specs.
+  their custom VJP; `decoder_tiles`: its tiles, block specs and operands, and `combine` (a
+  query tile's split parts as one output).
 - `softmax`: the online softmax, NEG and -inf masks, float32-exact matmuls, the GPU's exp.
 - `dropout`: attention dropout's counter hash (the XLA path draws the same bits) and a
-  kernel's dropout inputs.
-- `call`: one `pallas_call`, Triton or interpreted by platform; `launch`: each kernel's
-  warps, stages and splits by name (`LAUNCH`, `KERNELS`); `backend`: the GPUs they compile
-  for; `placement`: each device's rows and heads under the placement `parallel.sharding`
-  installs (the kernels never see the mesh); `by_distance`: gradients summed by distance.
+  kernel's dropout inputs (`Drop`, their block specs `whole_drop`).
+- `call`: one `pallas_call`, Triton or interpreted by platform (`filled`: a record of block
+  specs, one spec in all but the named fields); `launch`: each kernel's warps, stages and
+  splits by name (`LAUNCH`, `KERNELS`); `backend`: the GPUs they compile for; `placement`:
+  each device's rows and heads under the placement `parallel.sharding` installs (the kernels
+  never see the mesh; `on_own_records` places a call of named records); `by_distance`:
+  gradients summed by distance.
 - `harness` (a layer above the model, `tests/test_shape.py`): a model layer as a problem, its
   loss and gradients with either attention, their relative errors.
 

@@ -71,6 +71,12 @@ def whole() -> pl.BlockSpec:
     return pl.BlockSpec()
 
 
+def filled(record, spec, **named):
+    """A `record` (a NamedTuple of a kernel's operands) of block specs: `spec` in every field
+    but the `named` ones."""
+    return record(**{**dict.fromkeys(record._fields, spec), **named})
+
+
 def pad(x: jax.Array, sizes: dict[int, int], value=0) -> jax.Array:
     """x zero- (or `value`-) padded at the end of each axis in `sizes` to that size."""
     widths = [(0, sizes.get(axis, n) - n) for axis, n in enumerate(x.shape)]

@@ -32,6 +32,7 @@ from longt5_jax.kernels.decoder_tiles import (
     QueryGrad,
     Residuals,
     Tiles,
+    combine,
     key_tile,
     out_stat,
     out_tile,
@@ -39,7 +40,7 @@ from longt5_jax.kernels.decoder_tiles import (
     query_tile,
     stat,
 )
-from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale, dropped_grad
+from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale, dropped_grad, whole_drop
 
 
 def _scores(tl: Tiles, ops, q, k, *, b, h, rows, keys):
@@ -79,7 +80,7 @@ def _fwd_kernel(tl: Tiles, ops: Forward, out: Output):
     seen = softmax.seen(m)
     safe = jnp.where(seen, l, 1.0)
     out.o[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(out.o.dtype)
-    # A part that sees no key weighs nothing in `_combine`; a whole row that sees none has 0.
+    # A part that sees no key weighs nothing in `combine`; a whole row that sees none has 0.
     out.lse[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf if tl.parts > 1 else 0.0)
 
 
@@ -140,17 +141,12 @@ def _dbias_kernel(tl: Tiles, ops: QueryGrad, out_ref):
     out_ref[...] = jax.lax.fori_loop(0, tl.batch, one_row, zeros)
 
 
-def _whole_drop(drop: Drop | None) -> Drop | None:
-    """The dropout's block specs: its arrays whole."""
-    return None if drop is None else Drop(call.whole(), call.whole(), call.whole())
-
-
 def _forward(tl: Tiles, x: Inputs, drop: Drop | None):
     name = "decoder_attention_fwd"
     tl = tl.split(name)
     whole = call.whole()
     specs = Forward(
-        q=query_tile(tl), k=whole, v=whole, mask=whole, bias=whole, drop=_whole_drop(drop)
+        q=query_tile(tl), k=whole, v=whole, mask=whole, bias=whole, drop=whole_drop(drop)
     )
     (out,) = call.call(
         functools.partial(_fwd_kernel, tl),
@@ -165,27 +161,16 @@ def _forward(tl: Tiles, x: Inputs, drop: Drop | None):
                 out_type(tl, (tl.batch, tl.heads, tl.t), jnp.float32, x.q),
             ),
         ),
-    )(Forward(*x, drop))
-    return tuple(out) if tl.parts == 1 else _combine(out.o, out.lse, x.q.dtype)
-
-
-def _combine(o_PBTHK, lse_PBHT, dtype):
-    """The parts' outputs as one row's: each part's (normalised) output weighted by its share
-    of the row's sum of exponentials, exp(lse_part - lse); rows no part saw output 0, lse 0."""
-    m = jnp.max(lse_PBHT, axis=0)
-    seen = m > -jnp.inf
-    m = jnp.where(seen, m, 0.0)
-    weights = jnp.exp(lse_PBHT - m)
-    total = jnp.where(seen, weights.sum(0), 1.0)
-    o = jnp.einsum("pbht,pbthk->bthk", weights / total, o_PBTHK)
-    return o.astype(dtype), jnp.where(seen, m + jnp.log(total), 0.0)
+    )(Forward(**x._asdict(), drop=drop))
+    return tuple(out) if tl.parts == 1 else combine(out.o, out.lse, x.q.dtype)
 
 
 def _backward(tl: Tiles, x: Inputs, res: Residuals, drop: Drop | None):
     q, do = x.q, res.do
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), res.o.astype(jnp.float32))
-    whole, drops = call.whole(), _whole_drop(drop)
+    whole, drops = call.whole(), whole_drop(drop)
     dq_tl = tl.split("decoder_attention_dq")
+    rows, st, keys = query_tile(dq_tl), stat(dq_tl), key_tile(tl)
     query_grad = QueryGrad(
         q=q, do=do, lse=res.lse, delta=delta, k=x.k, v=x.v, mask=x.mask, bias=x.bias, drop=drop
     )
@@ -194,7 +179,7 @@ def _backward(tl: Tiles, x: Inputs, res: Residuals, drop: Drop | None):
         "decoder_attention_dq",
         flops=tl.flops(3),
         grid=(tl.batch, tl.heads, tl.t // tl.tq * dq_tl.parts),
-        in_specs=(QueryGrad(*[query_tile(dq_tl)] * 2, *[stat(dq_tl)] * 2, *[whole] * 4, drops),),
+        in_specs=(call.filled(QueryGrad, whole, q=rows, do=rows, lse=st, delta=st, drop=drops),),
         out_specs=(out_tile(dq_tl),),
         out_shape=(out_type(dq_tl, q.shape, q.dtype, q),),
     )(query_grad)
@@ -205,8 +190,8 @@ def _backward(tl: Tiles, x: Inputs, res: Residuals, drop: Drop | None):
         "decoder_attention_dkv",
         flops=tl.flops(4),
         grid=(tl.batch, tl.heads, tl.s // tl.tk),
-        in_specs=(KeyGrad(key_tile(tl), key_tile(tl), *[whole] * 6, drops),),
-        out_specs=(KeyGrads(key_tile(tl), key_tile(tl)),),
+        in_specs=(call.filled(KeyGrad, whole, k=keys, v=keys, drop=drops),),
+        out_specs=(KeyGrads(dk=keys, dv=keys),),
         out_shape=(
             KeyGrads(
                 placement.out(x.k.shape, x.k.dtype, q), placement.out(x.v.shape, x.v.dtype, q)
@@ -225,7 +210,7 @@ def _backward(tl: Tiles, x: Inputs, res: Residuals, drop: Drop | None):
         "decoder_attention_dbias",
         flops=tl.flops(2),
         grid=(tl.heads, tl.t // tl.tq, tl.s // tl.tk),
-        in_specs=(QueryGrad(*[whole] * 8, drops),),
+        in_specs=(call.filled(QueryGrad, whole, drop=drops),),
         out_specs=(pl.BlockSpec((None, tl.tq, tl.tk), lambda h, i, j: (h, i, j)),),
         out_shape=(placement.out(x.bias.shape, jnp.float32, q),),
     )(query_grad)
@@ -235,37 +220,32 @@ def _backward(tl: Tiles, x: Inputs, res: Residuals, drop: Drop | None):
 _STAT = ("batch", "heads", None)
 
 
-def _placed(tl: Tiles, run, operands: tuple, drop: Drop | None, outs: tuple):
-    """run(tiles of each device's shard, *operands, drop) on each device's own rows and heads,
-    `operands` the inputs (and the residuals); the forward and the backward are placed apart,
-    so their residuals are ordinary arrays. The bias' gradient lacks `batch` and is summed over
-    the rows' devices."""
+def _placed(tl: Tiles, run, records: tuple, outs: tuple):
+    """run(tiles of each device's shard, *records) on each device's own rows and heads,
+    `records` the inputs (the backward's residuals) and the dropout; the forward and the
+    backward are placed apart, so their residuals are ordinary arrays. The bias' gradient lacks
+    `batch` and is summed over the rows' devices."""
     bias = ("heads", None, None) if tl.bias else (None, None, None)
-    axes = [placement.ROWS] * 3 + [("batch", None, None), bias]
-    axes += [placement.ROWS, _STAT, placement.ROWS][: len(operands) * 3 - 3]
-    arrays = [x for record in operands for x in record]
-    inputs = len(arrays)
-    axes += DROP_AXES if drop is not None else []
+    rows = placement.ROWS
+    inputs = Inputs(q=rows, k=rows, v=rows, mask=("batch", None, None), bias=bias)
+    residuals = Residuals(o=rows, lse=_STAT, do=rows)
+    axes = (inputs, residuals)[: len(records) - 1] + (Drop._make(DROP_AXES),)
 
-    def on_shard(*shards):
-        local = dataclasses.replace(tl, batch=shards[0].shape[0], heads=shards[0].shape[2])
-        records = [Inputs(*shards[:5])]
-        if len(operands) > 1:  # the backward's
-            records.append(Residuals(*shards[5:8]))
-        return run(local, *records, Drop(*shards[inputs:]) if drop is not None else None)
+    def on_shard(shards: tuple):
+        q = shards[0].q
+        return run(dataclasses.replace(tl, batch=q.shape[0], heads=q.shape[2]), *shards)
 
     outs = tuple(bias if o == "bias" else o for o in outs)
-    arrays = arrays + ([] if drop is None else list(drop))
-    return placement.on_own_rows_and_heads(on_shard, arrays, axes, outs)
+    return placement.on_own_records(on_shard, records, axes, outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(tl: Tiles, x: Inputs, drop: Drop | None):
-    return _placed(tl, _forward, (x,), drop, (placement.ROWS, _STAT))[0]
+    return _placed(tl, _forward, (x, drop), (placement.ROWS, _STAT))[0]
 
 
 def _attention_fwd(tl: Tiles, x: Inputs, drop: Drop | None):
-    o, lse = _placed(tl, _forward, (x,), drop, (placement.ROWS, _STAT))
+    o, lse = _placed(tl, _forward, (x, drop), (placement.ROWS, _STAT))
     o, lse = call.saveable(o, lse)
     return o, (x, o, lse, drop)
 
@@ -273,9 +253,9 @@ def _attention_fwd(tl: Tiles, x: Inputs, drop: Drop | None):
 def _attention_bwd(tl: Tiles, saved, do):
     x, o, lse, drop = saved
     outs = (placement.ROWS,) * 3 + (("bias",) if tl.bias else ())
-    grads = _placed(tl, _backward, (x, Residuals(o, lse, do)), drop, outs)
+    grads = _placed(tl, _backward, (x, Residuals(o=o, lse=lse, do=do), drop), outs)
     dbias = grads[3] if tl.bias else jnp.zeros_like(x.bias)
-    return Inputs(*grads[:3], None, dbias), None
+    return Inputs(q=grads[0], k=grads[1], v=grads[2], mask=None, bias=dbias), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -38,7 +38,7 @@ class Tiles:
         tiles as its launch settings say (`launch.split_of`), a program each. Why: at 512
         targets the forward and dq run B x H x 8 programs (192 at base 16k) where an H100's 132
         SMs hold 2-4 each (0.4-0.7 waves, `bench sass`), each looping over every key tile (256
-        over 16k encoder tokens). The parts' outputs are combined outside (`_combine`, a sum
+        over 16k encoder tokens). The parts' outputs are combined outside (`combine`, a sum
         for dq), from [P, ...] float32 arrays: more bytes, so off until a GPU times it. Only
         where the keys outnumber the queries (cross-attention over a longer input): those
         bytes grow with the queries, the work a program saves with the keys, and a
@@ -79,6 +79,18 @@ def out_type(tl: Tiles, shape, dtype, like) -> jax.ShapeDtypeStruct:
     if tl.parts == 1:
         return placement.out(shape, dtype, like)
     return placement.out((tl.parts, *shape), jnp.float32, like)
+
+
+def combine(o_PBTHK, lse_PBHT, dtype):
+    """The parts' outputs as one row's: each part's (normalised) output weighted by its share
+    of the row's sum of exponentials, exp(lse_part - lse); rows no part saw output 0, lse 0."""
+    m = jnp.max(lse_PBHT, axis=0)
+    seen = m > -jnp.inf
+    m = jnp.where(seen, m, 0.0)
+    weights = jnp.exp(lse_PBHT - m)
+    total = jnp.where(seen, weights.sum(0), 1.0)
+    o = jnp.einsum("pbht,pbthk->bthk", weights / total, o_PBTHK)
+    return o.astype(dtype), jnp.where(seen, m + jnp.log(total), 0.0)
 
 
 def key_tile(tl: Tiles) -> pl.BlockSpec:

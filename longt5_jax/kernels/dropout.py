@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longt5_jax.kernels import call
+
 
 def _int32(x: int) -> np.int32:
     return np.uint32(x).view(np.int32)
@@ -30,7 +32,7 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ srl(x, 16)
 
 
-def attention_keep(seed, row, head, query, key, rate: float) -> jax.Array:
+def attention_keep(seed, row, head, *, query, key, rate: float) -> jax.Array:
     """Attention dropout as a counter-based hash: element (row, head, query, key) of a layer is
     kept iff the top 24 bits of a hash of those and the layer's seed clear rate * 2^24. Any
     device, layout or kernel computes the same mask for the same element (rows are global row
@@ -42,9 +44,9 @@ def attention_keep(seed, row, head, query, key, rate: float) -> jax.Array:
     return jax.lax.shift_right_logical(bits, 8) >= int(round(rate * (1 << 24)))
 
 
-def dropout_scale(seed, row, head, query, key, rate: float) -> jax.Array:
+def dropout_scale(seed, row, head, *, query, key, rate: float) -> jax.Array:
     """float32 1 / (1 - rate) where `attention_keep` keeps, else 0."""
-    keep = attention_keep(seed, row, head, query, key, rate)
+    keep = attention_keep(seed, row, head, query=query, key=key, rate=rate)
     return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
 
 
@@ -65,13 +67,20 @@ class Drop(NamedTuple):
 DROP_AXES = [(None,), ("batch",), ("heads",)]
 
 
+def whole_drop(drop: Drop | None) -> Drop | None:
+    """The dropout's block specs (its arrays whole), None without dropout."""
+    return None if drop is None else Drop(call.whole(), call.whole(), call.whole())
+
+
 def drop_scale(rate: float, drop: Drop | None, b, h, *, queries, keys):
     """[Q, C] dropout scale of `queries` x `keys` (token positions) of row b, head h, from the
     `drop` refs, or None without dropout."""
     if not rate:
         return None
     row, head = drop.rows[b], drop.heads[h]
-    return dropout_scale(drop.seed[0], row, head, queries[:, None], keys[None, :], rate)
+    return dropout_scale(
+        drop.seed[0], row, head, query=queries[:, None], key=keys[None, :], rate=rate
+    )
 
 
 def dropped_grad(p, dp, delta, scale):

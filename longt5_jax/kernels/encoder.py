@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from longt5_jax.kernels import call, placement, softmax
 from longt5_jax.kernels import encoder_grad as grad
 from longt5_jax.kernels import encoder_tiles as tiles
-from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale
+from longt5_jax.kernels.dropout import DROP_AXES, Drop, drop_scale, whole_drop
 from longt5_jax.kernels.encoder_geometry import Geometry, Inputs, Side, geometry
 from longt5_jax.kernels.encoder_operands import Forward, Output, Saved
 
@@ -84,7 +84,7 @@ def _forward(geo: Geometry, x: Inputs, extras: Extras):
         name,
         flops=geo.flops(2, 2),
         grid=(geo.batch, geo.heads, geo.n * geo.split),
-        in_specs=(Forward(local_specs, side_specs, tiles.whole_drop(extras.drop)),),
+        in_specs=(Forward(local_specs, side_specs, whole_drop(extras.drop)),),
         out_specs=(
             Output(tiles.tile(geo, rows=geo.query_rows), tiles.stat(geo, rows=geo.query_rows)),
         ),
@@ -142,9 +142,13 @@ def _unpack(geo, rest) -> Extras:
     """The optional inputs back from `_optional`'s arrays on a device."""
     side = gq = drop = None
     if geo.g:
-        side, gq, rest = Side(rest[0], rest[1], rest[2], None, rest[3]), rest[4], rest[5:]
+        side = Side(
+            k_BGHK=rest[0], v_BGHK=rest[1], bias_HD=rest[2], block_ids=None,
+            global_segment_ids=rest[3],
+        )  # fmt: skip
+        gq, rest = rest[4], rest[5:]
     if geo.rate:
-        drop = Drop(*rest[:3])
+        drop = Drop._make(rest[:3])
     return Extras(side, gq, drop)
 
 
@@ -154,7 +158,8 @@ def _local(geo, q):
 
 def _placed_forward(geo: Geometry, x: Inputs, extras: Extras):
     def forward(q, k, v, seg, bias, *rest):
-        return _forward(_local(geo, q), Inputs(q, k, v, seg, bias), _unpack(geo, rest))
+        x = Inputs(q=q, k=k, v=v, seg=seg, bias=bias)
+        return _forward(_local(geo, q), x, _unpack(geo, rest))
 
     extra, extra_axes = _optional(extras)
     axes = [placement.ROWS] * 3 + [("batch", None), ("heads", None, None), *extra_axes]
@@ -176,10 +181,9 @@ def _attention_bwd(geo: Geometry, saved, do):
 
     def backward(q, k, v, seg, bias, o, lse, do, *rest):
         local = _unpack(geo, rest)
-        saved = Saved(o, lse, do)
-        dq, dk, dv, dbias, d_side = grad.backward(
-            _local(geo, q), Inputs(q, k, v, seg, bias), local, saved
-        )
+        saved = Saved(o=o, lse=lse, do=do)
+        x = Inputs(q=q, k=k, v=v, seg=seg, bias=bias)
+        dq, dk, dv, dbias, d_side = grad.backward(_local(geo, q), x, local, saved)
         return (dq, dk, dv, dbias) + (d_side if local.side is not None else ())
 
     extra, extra_axes = _optional(extras)
@@ -190,8 +194,13 @@ def _attention_bwd(geo: Geometry, saved, do):
     if extras.side is not None:
         outs += (placement.ROWS, placement.ROWS, ("heads", None))
     grads = placement.on_own_rows_and_heads(backward, [*x, o, lse, do, *extra], axes, outs)
-    d_side = None if extras.side is None else Side(*grads[4:], None, None)
-    d_inputs = Inputs(grads[0], grads[1], grads[2], None, grads[3])
+    d_side = None
+    if extras.side is not None:
+        d_side = Side(
+            k_BGHK=grads[4], v_BGHK=grads[5], bias_HD=grads[6], block_ids=None,
+            global_segment_ids=None,
+        )  # fmt: skip
+    d_inputs = Inputs(q=grads[0], k=grads[1], v=grads[2], seg=None, bias=grads[3])
     return d_inputs, Extras(d_side, None, None)
 
 
@@ -224,11 +233,13 @@ def encoder_attention(
     if geo.g:
         gq = call.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
         side = Side(
-            call.pad(side.k_BGHK, {1: geo.side_padded}),
-            call.pad(side.v_BGHK, {1: geo.side_padded}),
-            side.bias_HD.astype(jnp.float32),
-            None,
-            call.pad(side.global_segment_ids.astype(jnp.int32), {1: geo.side_padded}),
+            k_BGHK=call.pad(side.k_BGHK, {1: geo.side_padded}),
+            v_BGHK=call.pad(side.v_BGHK, {1: geo.side_padded}),
+            bias_HD=side.bias_HD.astype(jnp.float32),
+            block_ids=None,
+            global_segment_ids=call.pad(
+                side.global_segment_ids.astype(jnp.int32), {1: geo.side_padded}
+            ),
         )
     else:
         side = None

@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from longt5_jax.kernels import call, placement, softmax
 from longt5_jax.kernels import encoder_tiles as tiles
 from longt5_jax.kernels.by_distance import sum_by_distance
-from longt5_jax.kernels.dropout import Drop, drop_scale, dropped_grad
+from longt5_jax.kernels.dropout import Drop, drop_scale, dropped_grad, whole_drop
 from longt5_jax.kernels.encoder_geometry import Geometry, Inputs
 from longt5_jax.kernels.encoder_operands import (
     BiasGrad,
@@ -146,7 +146,7 @@ def backward(geo: Geometry, x: Inputs, extras, saved: Saved):
     side = side_specs = None
     if geo.g:
         side, side_specs = tiles.side_operands(dq_geo, extras.side, extras.gq)
-    drop, drops = extras.drop, tiles.whole_drop(extras.drop)
+    drop, drops = extras.drop, whole_drop(extras.drop)
     (dq,) = call.call(
         functools.partial(_dq_kernel, dq_geo),
         geo.kernel("dq"),
@@ -171,21 +171,20 @@ def backward(geo: Geometry, x: Inputs, extras, saved: Saved):
     return dq, dk, dv, dbias, d_side
 
 
+def _query_block_specs(geo: Geometry, c: int) -> QueryBlock:
+    """The block specs of query block m + c that a part of key block m reads."""
+    rows, stats = tiles.tile(geo, c, per=geo.parts), tiles.stat(geo, c, per=geo.parts)
+    return QueryBlock(q=rows, do=rows, lse=stats, delta=stats, seg=tiles.row(geo, c, per=geo.parts))
+
+
 def _dkv(geo: Geometry, x: Inputs, terms: RowTerms, drop: Drop | None):
     """Local dk, dv: one program per part of a key block."""
     per = geo.parts
-    blocks = tuple(
-        QueryBlock(
-            *[tiles.tile(geo, 1 - c, per=per)] * 2,
-            *[tiles.stat(geo, 1 - c, per=per)] * 2,
-            tiles.row(geo, 1 - c, per=per),
-        )
-        for c in range(3)
-    )
+    blocks = tuple(_query_block_specs(geo, 1 - c) for c in range(3))
     part = tiles.key_part(geo)
     specs = KeyGrad(
         k=part, v=part, seg=tiles.key_part(geo, rows=True), bias=tiles.bias_spec(geo),
-        queries=blocks, drop=tiles.whole_drop(drop),
+        queries=blocks, drop=whole_drop(drop),
     )  # fmt: skip
     query = QueryBlock(q=x.q, do=terms.do, lse=terms.lse, delta=terms.delta, seg=x.seg)
     (out,) = call.call(
@@ -208,7 +207,7 @@ def _dbias(geo: Geometry, x: Inputs, terms: RowTerms, drop: Drop | None):
     """The local bias gradient, [H, W, 3W]."""
     whole = call.whole()
     bias = pl.BlockSpec((None, geo.w, 3 * geo.w), lambda h, n: (h, 0, 0))
-    specs = BiasGrad(*[whole] * 7, bias, tiles.whole_drop(drop))
+    specs = call.filled(BiasGrad, whole, bias=bias, drop=whole_drop(drop))
     arrays = BiasGrad(
         q=x.q, k=x.k, v=x.v, do=terms.do, lse=terms.lse, delta=terms.delta, seg=x.seg,
         bias=x.bias, drop=drop,
@@ -237,7 +236,7 @@ def _side_backward(geo: Geometry, q, terms: RowTerms, extras):
     gmin_BN = jnp.where(present.any(-1), jnp.min(jnp.where(present, gq_BNW, geo.g), -1), 0)
     chunk = pl.BlockSpec((None, geo.side_chunk, None, geo.head_dim), lambda b, h, j: (b, j, h, 0))
     whole = call.whole()
-    specs = SideGrad(*[whole] * 5, chunk, chunk, whole, whole, tiles.whole_drop(extras.drop))
+    specs = call.filled(SideGrad, whole, k=chunk, v=chunk, drop=whole_drop(extras.drop))
     arrays = SideGrad(
         q=q, do=terms.do, lse=terms.lse, delta=terms.delta, blocks=gq, k=side.k_BGHK,
         v=side.v_BGHK, segments=side.global_segment_ids, bias=side.bias_HD, drop=extras.drop,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from longt5_jax.kernels import call, softmax
-from longt5_jax.kernels.dropout import SIDE_KEYS, Drop
+from longt5_jax.kernels.dropout import SIDE_KEYS
 from longt5_jax.kernels.encoder_geometry import Geometry, Inputs, Side
 
 
@@ -150,11 +150,6 @@ def side_chunk(geo: Geometry, q, side: SideOperands, rows: SideRows, *, j, b, h)
     return s, k, side.v[b, keys, h, :]
 
 
-def whole_drop(drop: Drop | None) -> Drop | None:
-    """The dropout's block specs (its arrays whole), None without dropout."""
-    return None if drop is None else Drop(call.whole(), call.whole(), call.whole())
-
-
 def query_ids(geo: Geometry, n, rows: int = 0):
     """Token positions of query block n (`rows`: of part n of rows each)."""
     size, _ = _rows(geo, rows)
@@ -191,7 +186,10 @@ def local_operands(geo: Geometry, x: Inputs) -> tuple[Local, Local]:
     rows = tuple(row(geo, s - 1, per=per) for s in range(3))
     if geo.looped:
         keys = rows = (call.whole(),) * 3
-    specs = Local(tile(geo, rows=qw), keys, keys, row(geo, rows=qw), rows, bias_spec(geo, rows=qw))
+    specs = Local(
+        q=tile(geo, rows=qw), keys=keys, values=keys, seg_q=row(geo, rows=qw), seg_keys=rows,
+        bias=bias_spec(geo, rows=qw),
+    )  # fmt: skip
     arrays = Local(
         q=x.q, keys=(x.k,) * 3, values=(x.v,) * 3, seg_q=x.seg, seg_keys=(x.seg,) * 3, bias=x.bias
     )
@@ -283,7 +281,7 @@ class SideOperands(NamedTuple):
 def side_operands(geo: Geometry, side: Side, gq) -> tuple[SideOperands, SideOperands]:
     """(arrays, block specs) of the side keys, for the grid of `local_operands`."""
     whole = call.whole()
-    specs = SideOperands(whole, whole, row(geo, rows=geo.query_rows), whole, whole)
+    specs = call.filled(SideOperands, whole, blocks=row(geo, rows=geo.query_rows))
     arrays = SideOperands(
         k=side.k_BGHK, v=side.v_BGHK, blocks=gq, segments=side.global_segment_ids,
         bias=side.bias_HD,

@@ -85,9 +85,13 @@ def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
         "side_table": jnp.asarray(rng.normal(size=(h, r)), jnp.float32) if tglobal else None,
     }
     w = config.block_len
-    args = (inputs["x"], inputs["seg"], jnp.zeros((h, w, 3 * w)), inputs["blocks"])
     layer = LongSelfAttention(config, True)
-    params = nn.unbox(layer.init(jax.random.key(seed), *args, inputs["side_table"]))["params"]
+    params = layer.init(
+        jax.random.key(seed), inputs["x"], segment_ids=inputs["seg"],
+        local_bias_HWX=jnp.zeros((h, w, 3 * w)), blocks=inputs["blocks"],
+        side_table_HR=inputs["side_table"],
+    )  # fmt: skip
+    params = nn.unbox(params)["params"]
     real = jnp.asarray(seg > 0)[..., None]
     cotangent = jnp.asarray(rng.normal(size=inputs["x"].shape), jnp.float32) * real
     return _perturbed(params, seed), inputs, cotangent
@@ -100,9 +104,11 @@ def _decoder_attention(config):
         @nn.compact
         def __call__(self, y, encoded, self_mask, bias, cross_mask):
             attend = Attention(config, True, name="self_attention")
-            y = y + attend(y, *attend.keys_values(y), self_mask, bias)
+            k, v = attend.keys_values(y)
+            y = y + attend(y, k, v, mask_BTS=self_mask, bias_HTS=bias)
             cross = Attention(config, True, name="encoder_decoder_attention")
-            return y + cross(y, *cross.keys_values(encoded), cross_mask)
+            k, v = cross.keys_values(encoded)
+            return y + cross(y, k, v, mask_BTS=cross_mask)
 
     return DecoderAttention()
 
@@ -123,8 +129,9 @@ def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0
         "seg": jnp.ones((batch, t), jnp.int32),
     }
     layer = _decoder_attention(config)
-    order = ("x", "encoded", "self_mask", "bias", "cross_mask")
-    params = layer.init(jax.random.key(seed), *(inputs[k] for k in order))["params"]
+    named = ("encoded", "self_mask", "bias", "cross_mask")
+    params = layer.init(jax.random.key(seed), inputs["x"], **{k: inputs[k] for k in named})
+    params = params["params"]
     cotangent = jnp.asarray(rng.normal(size=inputs["x"].shape), jnp.float32)
     return _perturbed(params, seed), inputs, cotangent
 
@@ -140,8 +147,8 @@ def layer_loss_grad(config, kind: str, launch: tuple = ()):
 
         def apply(params, x, inputs):
             return layer.apply(
-                {"params": params}, x, inputs["encoded"], inputs["self_mask"], inputs["bias"],
-                inputs["cross_mask"],
+                {"params": params}, x, encoded=inputs["encoded"], self_mask=inputs["self_mask"],
+                bias=inputs["bias"], cross_mask=inputs["cross_mask"],
             )  # fmt: skip
 
         wrt = ("encoded", "bias")
@@ -150,8 +157,9 @@ def layer_loss_grad(config, kind: str, launch: tuple = ()):
 
         def apply(params, x, inputs):
             return layer.apply(
-                {"params": params}, x, inputs["seg"], local_bias(config, inputs["local_table"]),
-                inputs["blocks"], inputs["side_table"],
+                {"params": params}, x, segment_ids=inputs["seg"],
+                local_bias_HWX=local_bias(config, inputs["local_table"]),
+                blocks=inputs["blocks"], side_table_HR=inputs["side_table"],
             )  # fmt: skip
 
         wrt = ("local_table", "side_table")
@@ -164,7 +172,8 @@ def layer_loss_grad(config, kind: str, launch: tuple = ()):
 
     def run(params, inputs, cotangent, x):
         with launches.launch(launch):
-            return grad(params, x, {k: inputs[k] for k in wrt}, inputs, cotangent)
+            tables = {k: inputs[k] for k in wrt}
+            return grad(params, x, tables, inputs=inputs, cotangent=cotangent)
 
     return jax.jit(run)
 

@@ -51,3 +51,21 @@ def on_own_rows_and_heads(fn, arrays: list, axes: list, out_axes) -> jax.Array:
     (arrays[0] is [B, L, H, K])."""
     place = _PLACEMENT.get()
     return fn(*arrays) if place is None else place(fn, arrays, axes, out_axes)
+
+
+def on_own_records(fn, records: tuple, axes: tuple, out_axes):
+    """fn(records) as `on_own_rows_and_heads` places it: `records` NamedTuples of arrays (or
+    None, left out), `axes` a like record of each one's logical axes; fn gets each device's
+    shards as the same records, in order."""
+    arrays = [x for record in records if record is not None for x in record]
+    flat = [a for record, of in zip(records, axes, strict=True) if record is not None for a in of]
+
+    def on_shard(*shards):
+        rebuilt, at = [], 0
+        for record in records:
+            size = 0 if record is None else len(record)
+            rebuilt.append(None if record is None else record._make(shards[at : at + size]))
+            at += size
+        return fn(tuple(rebuilt))
+
+    return on_own_rows_and_heads(on_shard, arrays, flat, out_axes)

@@ -86,9 +86,8 @@ class Attention(nn.Module):
         if seed is not None:
             _, h, t, s = probs.shape
             row, head = rows.ids[:, None, None, None], jnp.arange(h)[:, None, None]
-            scale = dropout_scale(
-                seed, row, head, jnp.arange(t)[:, None], jnp.arange(s), c.dropout_rate
-            )
+            query, key = jnp.arange(t)[:, None], jnp.arange(s)
+            scale = dropout_scale(seed, row, head, query=query, key=key, rate=c.dropout_rate)
             probs = probs * scale
         probs = probs.astype(c.compute_dtype)
         out_BTHK = nn.with_logical_constraint(jnp.einsum("bhts,bshk->bthk", probs, v_BSHK), HEADS)

@@ -252,7 +252,7 @@ class LongSelfAttention(nn.Module):
         if len(logits) > 1:
             keys.append(SIDE_KEYS + jnp.arange(logits[1].shape[-1]))
         rate = self.config.dropout_rate
-        return [dropout_scale(seed, row, head, query, key, rate) for key in keys]
+        return [dropout_scale(seed, row, head, query=query, key=k, rate=rate) for k in keys]
 
     def _attend(
         self, logits: list[jax.Array], values: list[tuple[str, jax.Array]], scales: list
