@@ -315,7 +315,7 @@ def test_bench_scaling_compiles_each_point_and_reports_efficiency(tmp_path, caps
         if p["gpus"] == 4:
             assert set(p["efficiency"].values()) == {1.0}
     assert scaling.main([*argv, "--nodes", "0"]) == 2
-    assert "--nodes 0: expected node counts >= 1" in capsys.readouterr().err
+    assert "argument --nodes: expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

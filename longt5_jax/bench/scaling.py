@@ -131,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     args.nodes = sorted(set(args.nodes))
-    if args.nodes[0] < 1:
-        raise UsageError(f"--nodes {args.nodes[0]}: expected node counts >= 1")
     try:
         table.rows(args)
         target, _ = targets.open_target(args.target, args.nodes[0], args.gpus_per_node)
