@@ -16,3 +16,8 @@ class ConfigError(UsageError):
 class RunFault(RuntimeError):
     """A run that cannot go on for a reason of its own, not bad input; what it saved is safe
     (exit 1)."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """What a third-party failure says, cut to its first line (jax's and XLA's run to pages)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]

@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax.doctor.report import Row, fail, ok
+from longt5_jax.errors import first_line
 
 TOKEN = ".doctor-token"
 
@@ -87,7 +88,7 @@ def all_reduce_row() -> Row:
         total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
         got = float(jax.device_get(total.addressable_data(0)))
     except Exception as e:  # a collective that cannot run here (NCCL, gloo, the network)
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        reason = first_line(e)
         return fail(
             "processes",
             "all-reduce",

@@ -12,6 +12,7 @@ import jax
 
 from longt5_jax.doctor.report import Row, fail, ok, warn
 from longt5_jax.doctor.software import device_memory
+from longt5_jax.errors import first_line
 from longt5_jax.kernels import backend, harness, interface
 from longt5_jax.model import LongT5Config
 from longt5_jax.plan import candidates
@@ -163,7 +164,7 @@ def layer_check(model: LongT5Config) -> Row:
         want = harness.run_layer(xla, *problem, dtype=dtype)
         got = harness.run_layer(fused, *problem, dtype=dtype)
     except Exception as e:  # a kernel that does not lower or launch here
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        reason = first_line(e)
         return fail(
             "kernels",
             "layer",

@@ -14,6 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from longt5_jax.errors import first_line
 from longt5_jax.kernels import backend, placement
 from longt5_jax.kernels.backend import runs_on, suits
 from longt5_jax.kernels.call import SAVED
@@ -74,7 +75,7 @@ def unusable(check=probe) -> str:
             with placement.placement(None):
                 jax.jit(check).trace(q).lower(lowering_platforms=("cuda",))
         except Exception as e:  # any lowering error: the kernels cannot run on this jax
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            first = first_line(e)
             why = f"a kernel does not lower for a GPU on jax {jax.__version__} ({first})"
     if why:
         print(f"warning: attention_kernel auto: {why}; XLA's attention instead",
