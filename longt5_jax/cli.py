@@ -24,6 +24,7 @@ from pathlib import Path
 
 from longt5_jax import environment
 from longt5_jax.errors import RunFault, UsageError
+from longt5_jax.estimate import targets
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 
@@ -68,6 +69,36 @@ positive = _number(int, lambda v: v >= 1, "an integer >= 1")
 nonnegative = _number(int, lambda v: v >= 0, "an integer >= 0")  # a flag whose 0 means none
 rate = _number(float, lambda v: v > 0, "a number > 0")  # a FLOP rate, a bandwidth
 fraction = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # an MFU
+
+
+def add_cluster_arguments(
+    parser, cpu: bool = False, nodes: int | list[int] = 8, help: str = ""
+) -> None:
+    """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them
+    (--nodes a list of node counts where `nodes` is one)."""
+    parser.add_argument("--target", default="a100-80gb", help=help or targets.names_help(cpu))
+    many = {"nargs": "+"} if isinstance(nodes, list) else {}
+    parser.add_argument("--nodes", type=positive, default=nodes, **many)
+    parser.add_argument("--gpus_per_node", type=positive, default=4)
+
+
+def add_dtype_argument(parser) -> None:
+    """--dtype, whose default the target decides (`settle_dtype` settles it once parsed)."""
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"],
+        help="activation/matmul dtype (default: the target's half precision: bfloat16, float16 "
+        "on a GPU without bfloat16)",
+    )  # fmt: skip
+
+
+def settle_dtype(args) -> None:
+    """An unset --dtype becomes the target's half precision; bfloat16 on a GPU without it is a
+    one-line error. Every command compiling for a target parses with it (`ArgumentParser`'s
+    `settle`), so commands sharing a parser (`bench cluster`, `bench scaling`) settle alike."""
+    try:
+        args.dtype = targets.load(args.target).dtype(args.dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def out_dir(text: str) -> str:

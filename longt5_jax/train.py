@@ -20,10 +20,10 @@ from longt5_jax import cli, configuration, environment
 from longt5_jax.data.pipeline import load_tokenizer, make_dataset
 from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.errors import ConfigError
+from longt5_jax.estimate.flops import train_flops_per_step
 from longt5_jax.model import LongT5, count_params
 from longt5_jax.parallel.devices import check_dtype, cpu_devices
 from longt5_jax.parallel.mesh import make_mesh
-from longt5_jax.plan.flops import train_flops_per_step
 from longt5_jax.training import distributed, identity, loop, run_lock
 from longt5_jax.training.checkpoint import Checkpoints
 from longt5_jax.training.experiment import Experiment

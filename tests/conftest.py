@@ -47,7 +47,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
-from longt5_jax.plan import compile_ahead  # noqa: E402
+from longt5_jax.estimate import compile_ahead  # noqa: E402
 
 # Each test process keeps the kernels of its deviceless GPU compiles under .pytest_cache, one
 # directory per xdist worker, which the slow pass's worker of that name and later runs start

@@ -13,14 +13,14 @@ aborts the process) fails the test naming the file instead of killing the test r
 import json
 import sys
 
+from longt5_jax.estimate import targets
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.plan import targets
 
 targets.prepare_environment()
 
 from longt5_jax import configuration  # noqa: E402
+from longt5_jax.estimate import compile_ahead, hlo  # noqa: E402
 from longt5_jax.model import LongT5Config  # noqa: E402
-from longt5_jax.plan import compile_ahead, hlo  # noqa: E402
 from longt5_jax.training.step import StepConfig  # noqa: E402
 
 SHAPE = (256, 64, 16)  # global batch (every pipeline plan and 2 microbatches divide it), lengths

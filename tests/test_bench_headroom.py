@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 from longt5_jax.bench import headroom
-from longt5_jax.plan import targets
+from longt5_jax.estimate import targets
 
 
 def test_the_plain_attention_does_the_cases_matmuls():

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from longt5_jax.bench import roofline as bench
-from longt5_jax.plan import targets
+from longt5_jax.estimate import targets
 
 needs_gpu_compiler = pytest.mark.skipif(
     not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
@@ -67,7 +67,7 @@ ENTRY %main (a: bf16[24,8,16], b: bf16[8,16], i: s32[]) -> bf16[24,8,16] {
 
 
 def test_a_stacked_buffer_costs_its_slice_or_update_not_the_whole_buffer():
-    from longt5_jax.plan import hlo_module, roofline
+    from longt5_jax.estimate import hlo_module, roofline
 
     module = hlo_module.Module.parse(_STACKED)
     costs = {k.name: k.bytes for k in roofline.kernels(module, 1e15, 1e12)}
@@ -87,7 +87,7 @@ def test_a_triton_call_costs_its_operands_results_and_declared_flops():
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    from longt5_jax.plan import hlo_module, roofline
+    from longt5_jax.estimate import hlo_module, roofline
 
     target = targets.load("h100-80gb")
     device = targets.devices(target, 1, 1)[0]
@@ -176,8 +176,8 @@ def test_a_kernel_is_named_by_its_model_part_and_op(op_name, kernel, expected):
 
 @needs_gpu_compiler
 def test_the_report_groups_kernels_and_compares_with_an_earlier_one(tmp_path, capsys):
+    from longt5_jax.estimate import flops
     from longt5_jax.model import LongT5Config
-    from longt5_jax.plan import flops
 
     out = tmp_path / "out"
     before = tmp_path / "before.json"  # made up: the ratios are known

@@ -6,8 +6,8 @@ import pytest
 
 from longt5_jax.bench import sass
 from longt5_jax.bench.device import launch_text, parse_launch
+from longt5_jax.estimate import targets
 from longt5_jax.kernels import backend as base
-from longt5_jax.plan import targets
 
 LISTING = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;

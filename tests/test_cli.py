@@ -86,12 +86,12 @@ CASES = {
         "argument --output: {d}/data is a directory",
     ),
     "data.preview mistyped glob": (
-        ["-m", "longt5_jax.data.preview", "--gin_file=configs/demo.gin", *FILES]
+        ["-m", "longt5_jax.data_preview", "--gin_file=configs/demo.gin", *FILES]
         + ["--gin.DataConfig.train_files='{d}/data/trian-*.jsonl'"],
         "no files match '{d}/data/trian-*.jsonl'",
     ),
     "data.convert mistyped glob": (
-        ["-m", "longt5_jax.data.convert", "--input={d}/data/trian-*.jsonl"]
+        ["-m", "longt5_jax.data_convert", "--input={d}/data/trian-*.jsonl"]
         + ["--output_dir={d}/shards"],
         "no files match '{d}/data/trian-*.jsonl'",
     ),
@@ -175,7 +175,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(outcomes, name):
 
 def test_data_preview_needs_no_model_dir(cache):
     """The demo's config requires a MODEL_DIR for training; previewing its data does not."""
-    from longt5_jax.data import preview
+    from longt5_jax import data_preview as preview
 
     argv = [f"--gin_file={ROOT / 'configs/demo.gin'}", "--gin.DataConfig.input_length=256"]
     argv += ["--gin.DataConfig.tokenizer_vocab_size=2000", "--num_batches=1"]

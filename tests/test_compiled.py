@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from longt5_jax.estimate import compile_ahead as aot
+from longt5_jax.estimate import flops, hlo
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.plan import compile_ahead as aot
-from longt5_jax.plan import flops, hlo
 
 CONFIG = LongT5Config.preset("tiny", "local", d_model=64, d_ff=256, d_kv=16)
 SHAPE = (16, 64, 16)  # batch, input length, target length

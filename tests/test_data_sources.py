@@ -20,7 +20,7 @@ import pytest
 import zstandard
 from array_record.python import array_record_module
 
-from longt5_jax.data import convert
+from longt5_jax import data_convert as convert
 from longt5_jax.data.aclsum import SPLITS, _load_split, aclsum_source
 from longt5_jax.data.sources import (
     ArrayRecordSource,

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from test_long_attention_kernel import TOLERANCE
 
-from longt5_jax.kernels import harness
+from longt5_jax import kernel_checks
+from longt5_jax.estimate import targets
 from longt5_jax.kernels import launch as kernel_launch
 from longt5_jax.kernels.interface import decoder_attention
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.layers import Rows
-from longt5_jax.plan import targets
 
 
 class _DecoderAttention(nn.Module):
@@ -62,8 +62,8 @@ def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
     xla = LongT5Config.preset("tiny", num_heads=heads, dropout_rate=dropout)
     x = jnp.asarray(rng.normal(size=(b, t, xla.d_model)), jnp.float32)
     source = x if self_attention else jnp.asarray(rng.normal(size=(b, s, xla.d_model)), jnp.float32)
-    q_seg, _ = harness.rows(b, t, packed, rng)
-    k_seg = q_seg if self_attention else harness.rows(b, s, packed, rng)[0]
+    q_seg, _ = kernel_checks.rows(b, t, packed, rng)
+    k_seg = q_seg if self_attention else kernel_checks.rows(b, s, packed, rng)[0]
     mask = k_seg[:, None, :] > 0
     if packed:
         mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])
@@ -94,7 +94,7 @@ def test_fused_decoder_attention_matches_the_xla_path(case, launch, dropout):
     want = run(xla)
     with kernel_launch.launch(launch):
         got = run(dataclasses.replace(xla, attention_kernel="pallas"))
-    errors = harness.relative_errors(got, want, real)
+    errors = kernel_checks.relative_errors(got, want, real)
     assert len(errors) == (8 if self_attention else 7)  # output, q/k/v/o, x, source (, bias)
     assert max(errors.values()) <= TOLERANCE, errors
     if dropout:  # it did drop out

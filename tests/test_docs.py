@@ -305,7 +305,7 @@ RUNS = [c for c in COMMANDS if QUICK & set(c.argv)] + [
     # Reading the embedded data set and training or loading its tokenizer: 5-10 s each.
     pytest.param(c, marks=pytest.mark.slow)
     for c in COMMANDS
-    if c.module == "longt5_jax.data.preview"
+    if c.module == "longt5_jax.data_preview"
 ]
 
 

@@ -346,7 +346,7 @@ def test_bench_speed_refuses_a_negative_batch_in_one_line(tmp_path, env):
         (["offload", "--zero", "4"], "offload: argument --zero: invalid choice: 4"),
         (["cluster", "--batch_size=0"], "cluster: argument --batch_size: expected an integer >= 1"),
         (["strategy", "--efficiency=1.5"], "strategy: argument --efficiency: expected a number in"),
-        (["cluster", "--nodes=0"], "cluster: argument --nodes: expected an integer >= 1, got '0'"),
+        (["cluster", "--nodes=0"], "cluster: argument --nodes: expected an integer >= 1, got 0"),
         (["memory", "--gpus_per_node=x"], "memory: argument --gpus_per_node: expected an integer"),
     ],
 )

@@ -27,11 +27,11 @@ import pytest
 from test_compiled import zero_expected
 
 from longt5_jax import configuration
+from longt5_jax.estimate import comm_model, compile_ahead, cost, hlo, hlo_module, targets
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel import xla_options
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.plan import comm_model, compile_ahead, cost, hlo, hlo_module, targets
-from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.step import StepConfig
 
 pytestmark = pytest.mark.skipif(
@@ -315,7 +315,7 @@ def test_bench_scaling_compiles_each_point_and_reports_efficiency(tmp_path, caps
         if p["gpus"] == 4:
             assert set(p["efficiency"].values()) == {1.0}
     assert scaling.main([*argv, "--nodes", "0"]) == 2
-    assert "argument --nodes: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    assert "argument --nodes: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -366,7 +366,7 @@ def test_the_shipped_calibration_holds_on_its_grid(kernel, key, row, tmp_path, c
     follow fails here rather than in a planner's advice (the circular pipeline's row had
     drifted to 20.7% when the model still counted copies the step no longer made)."""
     from longt5_jax.bench import memory
-    from longt5_jax.plan import memory_model
+    from longt5_jax.estimate import memory_model
 
     if jax.__version__ != memory_model.CALIBRATED_ON:  # another compiler's program, not the fit's
         pytest.skip(f"the calibration is of jax {memory_model.CALIBRATED_ON}'s compile")

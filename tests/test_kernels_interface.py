@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
+from longt5_jax.estimate import targets
 from longt5_jax.kernels import backend, interface
 from longt5_jax.model import LongT5Config
-from longt5_jax.plan import targets
 
 AUTO = LongT5Config.preset("tiny", attention_kernel="auto", dtype="bfloat16")
 

@@ -13,11 +13,13 @@ import test_step
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding, PartitionSpec
 
+from longt5_jax import kernel_checks
 from longt5_jax.bench import kernels
 from longt5_jax.errors import ConfigError
+from longt5_jax.estimate import compile_ahead, flops, hlo, targets
 from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.infer.generator import Generator
-from longt5_jax.kernels import call, encoder_geometry, harness
+from longt5_jax.kernels import call, encoder_geometry
 from longt5_jax.kernels import launch as kernel_launch
 from longt5_jax.kernels.interface import fused
 from longt5_jax.model import LongT5Config
@@ -25,7 +27,6 @@ from longt5_jax.model.layers import Rows
 from longt5_jax.model.long_attention import LongSelfAttention, global_blocks, local_bias
 from longt5_jax.model.transformer import LongT5
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.plan import compile_ahead, flops, hlo, targets
 from longt5_jax.training.step import ShardedStep, StepConfig
 
 # name: (attention, local radius, global block, batch, length, heads, packed). Lengths are not
@@ -96,11 +97,11 @@ def test_fused_attention_matches_the_xla_path(case, launch):
     xla = LongT5Config.preset(
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads
     )
-    params, inputs, cotangent = harness.layer_problem(xla, batch, length, packed)
-    want = harness.run_layer(xla, params, inputs, cotangent)
+    params, inputs, cotangent = kernel_checks.layer_problem(xla, batch, length, packed)
+    want = kernel_checks.run_layer(xla, params, inputs, cotangent)
     fused = dataclasses.replace(xla, attention_kernel="pallas")
-    got = harness.run_layer(fused, params, inputs, cotangent, launch=launch)
-    errors = harness.relative_errors(got, want, inputs["seg"][..., None] > 0)
+    got = kernel_checks.run_layer(fused, params, inputs, cotangent, launch=launch)
+    errors = kernel_checks.relative_errors(got, want, inputs["seg"][..., None] > 0)
     # Every gradient is there: both bias tables, the input, the projections (and side norm).
     assert len(errors) == (9 if attention == "transient-global" else 7)
     assert max(errors.values()) <= TOLERANCE, errors
@@ -149,8 +150,8 @@ def test_each_launch_setting_runs_its_own_program():
     setting's program for all), and the whole one half the (default) split forward's programs."""
     # A layer no other test runs, so that no earlier test has traced it under WHOLE.
     config = LongT5Config.preset("tiny", "local", local_radius=31, attention_kernel="pallas")
-    params, inputs, cotangent = harness.layer_problem(config, 1, 66, False)
-    harness.run_layer(config, params, inputs, cotangent)
+    params, inputs, cotangent = kernel_checks.layer_problem(config, 1, 66, False)
+    kernel_checks.run_layer(config, params, inputs, cotangent)
     events = []
 
     def listen(event, duration, **_):
@@ -158,13 +159,13 @@ def test_each_launch_setting_runs_its_own_program():
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        harness.run_layer(config, params, inputs, cotangent, launch=WHOLE)
+        kernel_checks.run_layer(config, params, inputs, cotangent, launch=WHOLE)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert "/jax/core/compile/jaxpr_trace_duration" in events, events  # traced under WHOLE
     grids = {}
     for launch in ((), WHOLE):
-        step = harness.layer_loss_grad(config, "encoder", launch)
+        step = kernel_checks.layer_loss_grad(config, "encoder", launch)
         jaxpr = jax.make_jaxpr(step)(params, inputs, cotangent, inputs["x"])
         grids[launch] = [
             e.params["grid_mapping"].grid
@@ -204,7 +205,7 @@ def test_a_token_in_no_global_block_sees_no_side_key():
     xla = LongT5Config.preset(
         "tiny", "transient-global", local_radius=3, global_block_size=4, num_heads=2
     )
-    params, inputs, cotangent = harness.layer_problem(xla, 1, 32, True)
+    params, inputs, cotangent = kernel_checks.layer_problem(xla, 1, 32, True)
     seg, pos = np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32)
     start = 0
     for run, size in [(1, 16), (2, 8), (1, 3)]:  # the last run: id 1 again, under a block
@@ -219,11 +220,14 @@ def test_a_token_in_no_global_block_sees_no_side_key():
     moved = {**inputs, "x": inputs["x"].at[0, :16].add(1.0)}  # run 1's tokens and globals
     runs = {}
     for config in (xla, fused):
-        runs[config] = harness.run_layer(config, params, inputs, cotangent)
-        out, out_moved = runs[config][0], harness.run_layer(config, params, moved, cotangent)[0]
+        runs[config] = kernel_checks.run_layer(config, params, inputs, cotangent)
+        out, out_moved = (
+            runs[config][0],
+            kernel_checks.run_layer(config, params, moved, cotangent)[0],
+        )
         np.testing.assert_array_equal(out[0, short], out_moved[0, short])
         assert not np.allclose(out[0, :16], out_moved[0, :16])
-    errors = harness.relative_errors(runs[fused], runs[xla], inputs["seg"][..., None] > 0)
+    errors = kernel_checks.relative_errors(runs[fused], runs[xla], inputs["seg"][..., None] > 0)
     assert max(errors.values()) <= TOLERANCE, errors
 
 
@@ -415,7 +419,9 @@ def test_a_published_size_layer_compiles_for_an_h100(launch):
     x = jax.ShapeDtypeStruct((b, length, config.d_model), jnp.dtype(dtype), sharding=sharding)
     ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=sharding)
     tables = [jax.ShapeDtypeStruct(table, jnp.float32, sharding=sharding)] * 2
-    params = harness.layer_problem(dataclasses.replace(config, dtype="float32"), 1, 128, False)[0]
+    params = kernel_checks.layer_problem(
+        dataclasses.replace(config, dtype="float32"), 1, 128, False
+    )[0]
     params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
     )
@@ -564,7 +570,7 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
         "tiny", attention, local_radius=radius, global_block_size=k, num_heads=heads,
         dropout_rate=0.3,
     )  # fmt: skip
-    params, inputs, cotangent = harness.layer_problem(xla, batch, length, packed)
+    params, inputs, cotangent = kernel_checks.layer_problem(xla, batch, length, packed)
     rows = Rows(jnp.asarray([5, 2, 7][:batch], jnp.int32), jnp.asarray(3))
 
     def run(config):
@@ -582,10 +588,10 @@ def test_fused_attention_drops_out_what_the_xla_path_drops(case, launch):
     want = run(xla)
     with kernel_launch.launch(launch):
         got = run(dataclasses.replace(xla, attention_kernel="pallas"))
-    errors = harness.relative_errors(got, want, inputs["seg"][..., None] > 0)
+    errors = kernel_checks.relative_errors(got, want, inputs["seg"][..., None] > 0)
     assert max(errors.values()) <= TOLERANCE, errors
     # Dropout did drop: the output differs from the deterministic layer's.
-    plain = harness.run_layer(xla, params, inputs, cotangent)[0]
+    plain = kernel_checks.run_layer(xla, params, inputs, cotangent)[0]
     assert float(jnp.max(jnp.abs(plain - want[0]))) > 0.1
 
 

@@ -16,10 +16,10 @@ from test_step import ADAFACTOR, _batches
 from test_train import TINY_RUN
 
 from longt5_jax import train
+from longt5_jax.estimate import compile_ahead, targets
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel import offload
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.plan import compile_ahead, targets
 from longt5_jax.training.optim import make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import jax
 import pytest
 
+from longt5_jax import plan
 from longt5_jax.errors import ConfigError
+from longt5_jax.estimate import candidates, cost, memory_model, targets
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel import devices as local
 from longt5_jax.parallel.mesh import node_of
-from longt5_jax.plan import candidates, cost, memory_model, targets
-from longt5_jax.plan import planner as plan
 
 GPU = pytest.mark.skipif(
     not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
@@ -128,7 +128,7 @@ def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
     "argv, message",
     [
         (["--model", "huge"], "unknown LongT5 preset 'huge'"),
-        (["--nodes", "0"], "argument --nodes: expected an integer >= 1, got '0'"),
+        (["--nodes", "0"], "argument --nodes: expected an integer >= 1, got 0"),
         (["--model", "tiny", "--nodes", "1", "--gpus_per_node", "3", "--batch_sizes", "16"],
          "no data x tensor x pipeline layout of 3 devices"),
         (["--attention", "sparse"], "LongT5Config.attention='sparse'"),
@@ -318,7 +318,7 @@ def test_gpu_specs_ship_with_the_package():
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    (pattern,) = project["tool"]["setuptools"]["package-data"]["longt5_jax.plan"]
+    (pattern,) = project["tool"]["setuptools"]["package-data"]["longt5_jax.estimate"]
     assert sorted(p.name for p in targets.SPECS.glob(pattern.split("/")[-1])) == [
         "a100-80gb.txtpb",
         "h100-80gb.txtpb",
@@ -391,7 +391,7 @@ def test_the_kernels_memory_keeps_their_outputs_and_no_scores():
 def test_offload_is_a_candidate_dimension_with_its_memory_and_pcie_cost():
     """Offloading moves the optimizer state (and parameters) to the host and charges two PCIe
     crossings of those bytes per step; it never changes what the collectives move."""
-    from longt5_jax.plan.shapes import ModelShapes
+    from longt5_jax.estimate.shapes import ModelShapes
     from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     config = LongT5Config.preset("xl", "tglobal", dtype="bfloat16")
@@ -427,7 +427,7 @@ def test_the_update_paid_once_a_step_favours_larger_batches_on_one_gpu():
     """On one GPU no gradient reduction is paid a step, so without the optimizer update's HBM
     time every batch estimated alike per sample and the smallest (the least memory) was the one
     compiled: xl 4k on an H200, where 4 examples a step measured 36.5% MFU and 1 26.5%."""
-    from longt5_jax.plan.shapes import ModelShapes
+    from longt5_jax.estimate.shapes import ModelShapes
     from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
     config = LongT5Config.preset("xl", "tglobal", dtype="bfloat16", attention_kernel="pallas")

@@ -270,7 +270,7 @@ CASES = {
         "would write inside checkpoints of the training run in MODEL_DIR={d}/run",
     ),
     "data.convert over its input shard": (
-        ["-m", "longt5_jax.data.convert", "--input={d}/shards/train-00000-of-00001.array_record"]
+        ["-m", "longt5_jax.data_convert", "--input={d}/shards/train-00000-of-00001.array_record"]
         + ["--output_dir={d}/shards", "--overwrite"],
         "the shard {d}/shards/train-00000-of-00001.array_record is --input",
     ),

@@ -10,34 +10,37 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "longt5_jax"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # Every package and top-level module, bottom to top: each may import only those before it. The
-# commands filed inside a package (data.preview, data.convert, plan.planner) sit at the top with
-# the others; a module belongs to the longest name here that prefixes it.
-ORDER = (
-    "errors",  # the error kinds every layer raises
-    "kernels",  # fused attention kernels (Pallas), below the model that calls them
-    "model",  # pure math with logical axis names
-    "kernels.harness",  # the kernels' reference: a model layer each way, their errors
-    "formats",  # checkpoint trees: native, Hugging Face, T5X; atomic writes
-    "data",  # sources, tokenizer, objectives, batches
-    "parallel",  # mesh, the rule table, shardings, pipeline, offload
-    "infer",  # decoding, the generator, evaluation of a split, ROUGE
-    "training",  # the step, optimizer, checkpoints, metrics, the loop and its Experiment
-    "plan",  # cost models, deviceless compiles, HLO reading
-    "configuration",  # gin -> the Experiment
-    "environment",  # XLA_FLAGS, JAX_PLATFORMS, cache variables, ports: checked at start-up
-    "cli",  # the one boundary: errors -> one line and an exit status
+# library ends at `cli`; above it, the commands (each a `python -m longt5_jax.<name>`), and no
+# library package holds one. A module belongs to the longest name here that prefixes it.
+# The commands, in the order they may import each other (the doctor runs the planner's estimate).
+COMMANDS = (
     "ckpt",
     "bench",
     "launch",
-    "data.preview",
-    "data.convert",
-    "plan.planner",
-    "plan.__main__",
+    "data_preview",
+    "data_convert",
+    "plan",
     "train",
     "evaluate",
     "predict",
     "demo",
     "doctor",
+)
+ORDER = (
+    "errors",  # the error kinds every layer raises
+    "kernels",  # fused attention kernels (Pallas), below the model that calls them
+    "model",  # pure math with logical axis names
+    "kernel_checks",  # the kernels' reference: a model layer each way, their errors
+    "formats",  # checkpoint trees: native, Hugging Face, T5X; atomic writes
+    "data",  # sources, tokenizer, objectives, batches
+    "parallel",  # mesh, the rule table, shardings, pipeline, offload
+    "infer",  # decoding, the generator, evaluation of a split, ROUGE
+    "training",  # the step, optimizer, checkpoints, metrics, the loop and its Experiment
+    "estimate",  # cost models, deviceless compiles, HLO reading
+    "configuration",  # gin -> the Experiment
+    "environment",  # XLA_FLAGS, JAX_PLATFORMS, cache variables, ports: checked at start-up
+    "cli",  # the one boundary: errors -> one line and an exit status
+    *COMMANDS,
 )
 # Third-party modules imported inside a function, each for a reason; nothing else is.
 DEFERRED = {
@@ -105,6 +108,29 @@ def test_no_import_runs_back_up_the_layers(path):
         }
     )
     assert not upward, f"{_dotted(path)} ({ORDER[here]}) imports from above it: {upward}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_library_packages_hold_no_command(path):
+    """Below the commands nothing parses a command line or runs as `python -m` (cli, the
+    boundary, holds the parser every command uses)."""
+    if path == PACKAGE / "__init__.py" or ORDER.index(_unit(_dotted(path))) >= ORDER.index("cli"):
+        return
+    tree = ast.parse(path.read_text())
+    found = [
+        f"line {node.lineno}: {what}" for node in ast.walk(tree) for what in _command_parts(node)
+    ]
+    assert path.name != "__main__.py" and not found, f"{_dotted(path)} holds a command: {found}"
+
+
+def _command_parts(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.FunctionDef) and node.name == "main":
+        return ["def main"]
+    if isinstance(node, ast.Attribute) and node.attr in ("ArgumentParser", "add_argument"):
+        return [node.attr]
+    if isinstance(node, ast.Constant) and node.value == "__main__":
+        return ["__name__ == '__main__'"]
+    return []
 
 
 def test_order_covers_every_module_and_checks_itself():

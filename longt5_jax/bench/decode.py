@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longt5_jax import cli
+from longt5_jax.bench import results as page
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench.report import write_json
 from longt5_jax.infer.decode import DecodeConfig, generate
@@ -35,7 +36,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=cli.positive, default=3)
     p.add_argument("--no_reference", action="store_true", help="skip transformers")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
-    return p.parse_args(argv)
+    page.add_argument(p)
+    args = p.parse_args(argv)
+    page.check(args.results, "decode", argv)
+    return args
 
 
 def _params(config: LongT5Config, seed: int = 0):
@@ -162,7 +166,27 @@ def _main(argv: list[str]) -> int:
         "rows": rows,
     }
     write_json(out, "decode", report)
+    page.publish("decode", argv, markdown(rows), out_dir=out, page=args.results,
+                 where=page.machine())  # fmt: skip
     return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results page's table: ours and transformers' seconds a call by beam count."""
+    columns = ["beams", "ours s", "summaries/s", "tokens/s", "transformers s", "speed-up", "range"]
+    table = [
+        [r["beams"], f"{r['seconds']:.2f}", f"{r['summaries_per_s']:.3f}",
+         f"{r['tokens_per_s']:.1f}", *_theirs_cells(r)]  # fmt: skip
+        for r in rows
+    ]
+    return page.markdown(columns, table)
+
+
+def _theirs_cells(row: dict) -> list[str]:
+    if "speedup" not in row:
+        return ["", "", ""]
+    low, high = row["speedup_range"]
+    return [f"{row['reference_seconds']:.2f}", f"{row['speedup']:.2f}x", f"{low:.2f}-{high:.2f}"]
 
 
 def _same(ours: np.ndarray, theirs: np.ndarray, config: LongT5Config) -> bool:

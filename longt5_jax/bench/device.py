@@ -36,12 +36,12 @@ from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import compile_ahead, cost, flops, hlo, targets
 from longt5_jax.kernels import launch as base
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.plan import compile_ahead, cost, flops, hlo, targets
 from longt5_jax.training.optim import NAMES, OptimizerConfig, make_optimizer
 from longt5_jax.training.step import StepConfig
 

@@ -30,13 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
 
-from longt5_jax import cli
+from longt5_jax import cli, kernel_checks
 from longt5_jax.bench import kernels
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
-from longt5_jax.kernels import harness
+from longt5_jax.estimate import compile_ahead, targets
 from longt5_jax.model import LongT5Config
-from longt5_jax.plan import compile_ahead, targets
 
 CASES = ["base:tglobal:16384:2", "xl:local:4096:1"]
 BACKWARD = 2.5  # the backward's matmuls over the forward's (FlashAttention-2: 5 against 2)
@@ -152,9 +151,9 @@ def _ours(case: str, shape: dict) -> dict:
     """The case's layer forward and backward in bfloat16 with the kernels: its kernels' time."""
     model, kind, length, batch = _parse(case)
     layer_case = f"{model}:{kind}:{length}:{batch}:padded"
-    config, layer = harness.case_problem(layer_case)
+    config, layer = kernel_checks.case_problem(layer_case)
     pallas = dataclasses.replace(config, attention_kernel="pallas")
-    traced = kernels.kernel_times(lambda: harness.run_layer(pallas, *layer, "bfloat16"))
+    traced = kernels.kernel_times(lambda: kernel_checks.run_layer(pallas, *layer, "bfloat16"))
     family = kernels.family(layer_case)
     ours = {k["kernel"]: k["ms"] for k in traced if k["kernel"] in family}
     forward = [ms for name, ms in ours.items() if name.endswith("_fwd")]

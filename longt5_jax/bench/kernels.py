@@ -24,12 +24,11 @@ from pathlib import Path
 
 import jax
 
-from longt5_jax import cli
+from longt5_jax import cli, kernel_checks
 from longt5_jax.bench import profile
 from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
-from longt5_jax.kernels import harness
 from longt5_jax.kernels.launch import KERNELS, kernels_set_by
 
 CASES = [
@@ -61,28 +60,28 @@ def kernel_times(run, runs: int = 3) -> list[dict]:
 
 
 def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False) -> dict:
-    xla, problem = harness.case_problem(case)
+    xla, problem = kernel_checks.case_problem(case)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
     real = problem[1]["seg"][..., None] > 0
-    reference = harness.run_layer(xla, *problem)
+    reference = kernel_checks.run_layer(xla, *problem)
     device = jax.devices()[0].device_kind
     report = {"case": case, "backend": jax.default_backend(), "device": device}
     first = launches[0]
     report["launch"] = launch_text(first)  # what the checks and `pallas_*` ran with
-    report["pallas_float32"] = harness.relative_errors(
-        harness.run_layer(pallas, *problem, launch=first), reference, real
+    report["pallas_float32"] = kernel_checks.relative_errors(
+        kernel_checks.run_layer(pallas, *problem, launch=first), reference, real
     )
     for name, config in (("xla", xla), ("pallas", pallas)):
-        low = harness.run_layer(config, *problem, "bfloat16", first)
-        report[f"{name}_bfloat16"] = harness.relative_errors(low, reference, real)
+        low = kernel_checks.run_layer(config, *problem, "bfloat16", first)
+        report[f"{name}_bfloat16"] = kernel_checks.relative_errors(low, reference, real)
         if repeats:
             report[f"{name}_seconds"] = _time(
-                lambda c=config: harness.run_layer(c, *problem, "bfloat16", first), repeats
+                lambda c=config: kernel_checks.run_layer(c, *problem, "bfloat16", first), repeats
             )
     if trace:
         for name, config in (("xla", xla), ("pallas", pallas)):
             report[f"{name}_kernels"] = kernel_times(
-                lambda c=config: harness.run_layer(c, *problem, "bfloat16", first)
+                lambda c=config: kernel_checks.run_layer(c, *problem, "bfloat16", first)
             )
     if repeats and len(launches) > 1:
         report["launch_seconds"], report["launch_errors"] = {}, {}
@@ -92,7 +91,7 @@ def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False
             if launch != first and not kernels_set_by(launch) & family(case):
                 report.setdefault("launch_as_first", []).append(launch_text(launch))
                 continue
-            run = functools.partial(harness.run_layer, pallas, *problem, "bfloat16", launch)
+            run = functools.partial(kernel_checks.run_layer, pallas, *problem, "bfloat16", launch)
             try:
                 seconds = _time(run, repeats)
             except Exception as e:  # a setting the GPU cannot launch (registers, shared memory)
@@ -147,7 +146,7 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = p.parse_args(argv)
     for case in args.cases:
-        harness.parse_case(case)
+        kernel_checks.parse_case(case)
     if args.repeats < 0:
         raise UsageError(f"--repeats {args.repeats}: expected >= 0")
     config = {**vars(args), "launch": [launch_text(x) for x in args.launch]}
@@ -206,4 +205,6 @@ def _layer_seconds(report: dict) -> dict[str, float]:
 def family(case: str) -> set[str]:
     """The kernels a case's layer calls (`kernel_KERNELS`)."""
     start = {"tglobal": "encoder_attention_", "local": "encoder_local_attention_"}
-    return {k for k in KERNELS if k.startswith(start.get(harness.parse_case(case)[1], "decoder_"))}
+    return {
+        k for k in KERNELS if k.startswith(start.get(kernel_checks.parse_case(case)[1], "decoder_"))
+    }

@@ -2,7 +2,7 @@
 
 Each candidate (model, input length, global batch, data x tensor x pipeline, ZeRO stage, remat)
 is compiled deviceless for the target cluster and its per-device memory (XLA's GPU buffer
-assignment) set beside the analytic estimate (`plan/memory_model.py`). `--fit` refits the
+assignment) set beside the analytic estimate (`estimate/memory_model.py`). `--fit` refits the
 model's two coefficients per remat policy on the grid and shows the estimate before and after;
 the fitted values are what `memory_model.CALIBRATION` holds.
 """
@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 
 from longt5_jax import cli
+from longt5_jax.bench import results as page
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import candidates as cands
+from longt5_jax.estimate import compile_ahead, memory_model, targets
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.devices import half_dtype
-from longt5_jax.plan import candidates as cands
-from longt5_jax.plan import compile_ahead, memory_model, targets
-from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
 # model:input_length:batch -> candidates "data,tensor,pipeline,zero,microbatches,repeats,remat"
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench memory", description=__doc__.splitlines()[0]
     )
-    targets.add_cluster_arguments(p)
+    cli.add_cluster_arguments(p)
     p.add_argument("--grid", nargs="+", help="MODEL:LENGTH:BATCH=d,t,p,zero,m,r,remat[;...]")
     p.add_argument("--attention", default="tglobal")
     p.add_argument("--attention_kernel", default="xla", choices=["xla", "pallas"])
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
     p.add_argument("--fit", action="store_true", help="refit the calibration on this grid")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    page.add_argument(p)
     return p
 
 
@@ -167,6 +169,19 @@ def _table(rows: list[dict], calibrations: dict[str, dict]) -> None:
         print(f"{name}: worst |estimate / compiled - 1| = {worst:.1%}")
 
 
+def markdown(rows: list[dict], calibrations: dict[str, dict]) -> str:
+    """The results page's table: compiled GiB per device against each calibration's estimate."""
+    columns = ["model", "candidate", "compiled GiB"]
+    columns += [f"{name} {col}" for name in calibrations for col in ("GiB", "ratio")]
+    table = []
+    for r in rows:
+        estimates = [_estimate(r, c) for c in calibrations.values()]
+        cells = [x for e in estimates for x in (f"{e / 2**30:.2f}", f"{r['compiled'] / e:.2f}")]
+        model = f"{r['model']} {r['input_length'] // 1024}k"
+        table.append([model, r["candidate"], f"{r['compiled'] / 2**30:.2f}", *cells])
+    return page.markdown(columns, table)
+
+
 def _estimate(row: dict, calibration: dict) -> float:
     return row["static"] + row["activations"].bytes(calibration)
 
@@ -199,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    page.check(args.results, "memory", argv)
     try:
         _grid(args)
         if not targets.load(args.target).is_gpu:
@@ -226,4 +242,7 @@ def _main(argv: list[str]) -> int:
     }
     write_json(out, "memory", report)
     _plot(rows, calibrations, out / "memory.png")
+    where = page.machine(f"{args.nodes} x {args.gpus_per_node} {args.target}")
+    table = markdown(rows, calibrations)
+    page.publish("memory", argv, table, out_dir=out, page=args.results, where=where)
     return 0

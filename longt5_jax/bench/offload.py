@@ -23,12 +23,13 @@ from pathlib import Path
 import jax
 
 from longt5_jax import cli
+from longt5_jax.bench import results as page
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import compile_ahead, cost, flops, targets
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.plan import compile_ahead, cost, flops, targets
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m longt5_jax.bench offload", description=__doc__.splitlines()[0]
     )
-    targets.add_cluster_arguments(p)
+    cli.add_cluster_arguments(p)
     p.add_argument("--host_gbps", type=cli.rate, help="GB/s per GPU to host memory")
     p.add_argument("--model", default="xl")
     p.add_argument("--attention", default="tglobal")
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "--cpu_steps", type=cli.nonnegative, default=6, help="timed steps per setting (0: skip)"
     )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    page.add_argument(p)
     return p
 
 
@@ -121,6 +123,20 @@ def _print_memory(rows: list[dict], cluster) -> None:
         f"step, read from the compiled program; host s at {cluster.host_gbps:g} GB/s; step s: "
         f"compute at {cluster.mfu:.0%} MFU + collectives, none overlapped; cost: host s / step s"
     )
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results page's table: a row per input, ZeRO stage and offload setting."""
+    columns = ["input, batch", "ZeRO", "offload", "device GiB", "host GiB", "PCIe GB", "host s",
+               "cost", "40 GB", "80 GB"]  # fmt: skip
+    table = [
+        [f"{r['input_length']}, {r['batch_size']}", r["zero_stage"], r["offload"],
+         f"{r['device_gib']:.2f}", f"{r['host_gib']:.2f}", f"{r['pcie_gb']:.2f}",
+         f"{r['host_s']:.3f}", f"{r['host_s'] / (r['compute_s'] + r['comm_s']):.1%}",
+         _fits(r, 40), _fits(r, 80)]  # fmt: skip
+        for r in rows
+    ]
+    return page.markdown(columns, table)
 
 
 def _fits(row: dict, card_gb: int) -> str:
@@ -209,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    page.check(args.results, "offload", argv)
     try:
         target = targets.load(args.target)
         if not target.is_gpu:
@@ -242,4 +259,6 @@ def _main(argv: list[str]) -> int:
     report = {"config": config, "cluster": cluster.describe(), "rows": rows, "cpu": timing}
     write_json(out, "offload", report)
     _plot(rows, timing, out / "offload.png")
+    where = page.machine(f"{args.nodes} x {args.gpus_per_node} {target.name}")
+    page.publish("offload", argv, markdown(rows), out_dir=out, page=args.results, where=where)
     return 0

@@ -27,10 +27,10 @@ from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.device import add_launch_argument, launch_text
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import RunFault
+from longt5_jax.estimate import hlo_module, roofline
 from longt5_jax.kernels import launch as base
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.plan import hlo_module, roofline
 
 _MATMUL_NAMES = ("dot", "ynn_fusion", "xnn_fusion", "onednn")
 # A GPU's matmul kernels by name: cuBLAS's (nvjet on Hopper, the xmma, cutlass and sm80 kernels
@@ -123,7 +123,7 @@ def device_kernels(trace: dict, runs: int = 1) -> list[dict]:
 
 
 def kind_of(kernel: str) -> str:
-    """Which of `plan.roofline.KINDS_OF_KERNEL` a kernel on the GPU's timeline is, by its name
+    """Which of `estimate.roofline.KINDS_OF_KERNEL` a kernel on the GPU's timeline is, by its name
     (its declared FLOPs dropped), as the roofline sorts the compiled program's: ours (a name of
     `kernels.launch.KERNELS`), a matmul (cuBLAS's, cuDNN's or XLA's Triton GEMM), or the rest."""
     if kernel in base.KERNELS:

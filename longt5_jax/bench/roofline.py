@@ -5,12 +5,12 @@ Each case (model, input length, batch, remat) is the step the training loop runs
 or `--optimizer adafactor`),
 compiled deviceless for `--target` in a process of its own, as `bench device` does: no compiler
 state or kernel cache carries from one case to the next (each process peaks near 1.3 GiB resident,
-xl at 16k tokens included, and takes 12-18 s). Its kernels are costed by `plan/roofline.py` (each
-max(FLOPs / peak, bytes / HBM bandwidth), Pallas Triton kernels at the FLOPs they declare) and
+xl at 16k tokens included, and takes 12-18 s). Its kernels are costed by `estimate/roofline.py`
+(each max(FLOPs / peak, bytes / HBM bandwidth), Pallas Triton kernels at the FLOPs they declare) and
 reported as:
 
 - HBM bytes per step; roofline seconds and the part of them spent in memory-bound kernels;
-- roofline MFU: the model's analytic FLOPs (`plan.flops`, no recomputation) over peak x roofline
+- roofline MFU: the model's analytic FLOPs (`estimate.flops`, no recomputation) over peak x roofline
   seconds, and the ideal time (those FLOPs at peak);
 - the kernels grouped by the jax name stack in their HLO metadata: transforms (jit, jvp,
   transpose, vmap), scan and remat plumbing dropped, the module path kept with the op (the einsum
@@ -18,7 +18,7 @@ reported as:
   marked fwd, bwd (under `transpose`), remat (the forward recomputed for the backward) or `-`
   (outside the differentiated function, e.g. the optimizer's update, or no metadata at all: a
   kernel the compiler made, named by its instruction);
-- the kernels by kind (`plan.roofline.KINDS_OF_KERNEL`: the Pallas attention kernels, matmuls,
+- the kernels by kind (`estimate.roofline.KINDS_OF_KERNEL`: the Pallas attention kernels, matmuls,
   the memory-bound rest), in the terms `bench profile` sorts a GPU's timeline into, beside the
   time a step may take at `--goal_mfu`, and the rate the Pallas kernels would need for that goal
   if the matmuls ran at `--matmul_tflops` (by default the peak; a GPU's measured rate is lower)
@@ -43,9 +43,9 @@ from longt5_jax import cli
 from longt5_jax.bench import device
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import compile_ahead, flops, hlo, hlo_module, roofline, targets
 from longt5_jax.kernels import launch as base
 from longt5_jax.model import LongT5Config
-from longt5_jax.plan import compile_ahead, flops, hlo, hlo_module, roofline, targets
 
 CASES = [
     "base:16384:2:full",
@@ -108,7 +108,7 @@ def describe(op_name: str, kernel_name: str) -> tuple[str, str, str]:
 
 
 def groups(kernels: list, total_s: float) -> list[dict]:
-    """Kernels (`plan.roofline.kernels`) summed per (direction, module path, op), the costliest
+    """Kernels (`estimate.roofline.kernels`) summed per (direction, module path, op), the costliest
     first; `share` is of `total_s`, `count` the launches per step."""
     acc: dict[tuple[str, str, str], dict] = {}
     for k in kernels:

@@ -27,14 +27,13 @@ from pathlib import Path
 
 import jax
 
-from longt5_jax import cli
+from longt5_jax import cli, kernel_checks
 from longt5_jax.bench import kernels
 from longt5_jax.bench.device import add_launch_argument, launch_text
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
-from longt5_jax.kernels import harness
+from longt5_jax.estimate import compile_ahead, targets
 from longt5_jax.parallel import xla_options
-from longt5_jax.plan import compile_ahead, targets
 
 CLASSES = (  # (class, opcode prefixes), first match wins
     ("tensor", ("HGMMA", "HMMA")),
@@ -171,15 +170,15 @@ def occupancy(reading: dict, spec: str) -> dict:
 def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> dict[str, dict]:
     """{kernel name: reading} of the case's layer forward and backward compiled for `target`
     with the kernels' `launch` settings (`kernels.launch.launch`)."""
-    xla, (params, inputs, cotangent) = harness.case_problem(case)
+    xla, (params, inputs, cotangent) = kernel_checks.case_problem(case)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
-    config, kind, inputs = harness.in_dtype(pallas, inputs, dtype)
+    config, kind, inputs = kernel_checks.in_dtype(pallas, inputs, dtype)
     spec = targets.load(target)
     # sm_90a: Hopper's warpgroup matmuls (Triton's, on an H100) are in the "a" variant only.
     arch = "sm_" + spec.compute_capability.replace(".", "")
     arch += "a" if arch == "sm_90" else ""
     with tempfile.TemporaryDirectory() as tmp:
-        grad = harness.layer_loss_grad(config, kind, launch)
+        grad = kernel_checks.layer_loss_grad(config, kind, launch)
         args = (params, inputs, cotangent, inputs["x"])
         # Users' matmul precision (the tests ask for "highest").
         with jax.default_matmul_precision("default"):
@@ -249,7 +248,7 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     args = p.parse_args(argv)
     for case in args.cases:
-        harness.parse_case(case)
+        kernel_checks.parse_case(case)
     before = _load(args.compare) if args.compare else {}
     tool("ptxas"), tool("nvdisasm")
     targets.prepare_environment()

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from longt5_jax import cli
 from longt5_jax.bench import cluster as table
+from longt5_jax.bench import results as page
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
-from longt5_jax.plan import cost, targets
+from longt5_jax.estimate import cost, targets
 
 PAPER_EFFICIENCY = 0.93  # 16 -> 64 GPUs, the paper's scaling claim
 BOUNDS = ("roofline_as_scheduled", "mfu_no_overlap")  # the figures efficiency is reported for
@@ -101,6 +102,24 @@ def _print(points: list[dict]) -> None:
     )
 
 
+def markdown(points: list[dict]) -> str:
+    """The results page's table: a line per scaling, row and strategy; a column per GPU count."""
+    lines = sorted({(p["scaling"], p["model"], p["input_length"], p["strategy"]) for p in points},
+                   key=lambda k: (k[0] != "weak", k[1:]))  # fmt: skip
+    gpus = sorted({p["gpus"] for p in points})
+    columns = ["scaling", "model", "strategy", *(f"{g} GPUs samples/s" for g in gpus)]
+    columns += [*(f"efficiency at {g}" for g in gpus[1:]), f"GiB at {gpus[-1]}"]
+    table = []
+    for line in lines:
+        mine = {p["gpus"]: p for p in points if
+                (p["scaling"], p["model"], p["input_length"], p["strategy"]) == line}  # fmt: skip
+        rate = [f"{mine[g]['samples_per_s'][BOUNDS[0]]:.1f}" for g in gpus]
+        efficiency = [f"{100 * mine[g]['efficiency'][BOUNDS[0]]:.1f}%" for g in gpus[1:]]
+        memory = f"{mine[gpus[-1]]['memory']['total'] / 2**30:.1f}"
+        table.append([line[0], f"{line[1]} {line[2] // 1024}k", line[3], *rate, *efficiency, memory])
+    return page.markdown(columns, table)
+
+
 def _plot(points: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
@@ -131,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     args.nodes = sorted(set(args.nodes))
+    page.check(args.results, "scaling", argv)
     try:
         table.rows(args)
         target, _ = targets.open_target(args.target, args.nodes[0], args.gpus_per_node)
@@ -142,4 +162,6 @@ def _main(argv: list[str]) -> int:
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     write_json(out, "scaling", {"config": config, "points": points})
     _plot(points, out / "scaling.png")
+    where = page.machine(f"{args.nodes} nodes x {args.gpus_per_node} {target.name}")
+    page.publish("scaling", argv, markdown(points), out_dir=out, page=args.results, where=where)
     return 0

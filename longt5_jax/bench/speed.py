@@ -4,7 +4,7 @@
    of transformers' PyTorch LongT5 (in a process of its own) on the same weights, batch, CPU and
    thread count, alternating runs; the ratio is taken per pair (their step / ours) and reported
    as median and range.
-2. MFU: analytic model FLOPs (`longt5_jax.plan.flops`) per second of our step over the peak float32
+2. MFU: analytic model FLOPs (`estimate.flops`) per second of our step over the peak float32
    matmul FLOP/s measured in the same run (chained 2048^2 matmuls, best of several).
 3. Length scaling: our step at each input length, alternating with the reference length (4k) so
    each ratio T(L) / T(4k) is taken under the same load; next to it, what full self-attention in
@@ -25,9 +25,9 @@ from longt5_jax import cli
 from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.estimate import flops
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.plan import flops
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -4,7 +4,7 @@ Each strategy (DP, ZeRO 1-3, TP+DP, TP+PP+DP) runs the same model and batch on t
 (fake CPU devices here). Throughput is measured by real steps, alternating strategies so drift
 hits all alike; on fake devices every "device" shares the host's cores, so it ranks the
 strategies' overheads, not a GPU's speed. Memory per device and collective bytes per step come
-from the compiled program (`plan/hlo.py`): with `--target a100-80gb` (the default) or
+from the compiled program (`estimate/hlo.py`): with `--target a100-80gb` (the default) or
 `h100-80gb`, the same strategy compiled deviceless for `--nodes x --gpus_per_node` GPUs (data
 filling them); with `--target cpu`, the local devices' own program. The communication share is
 estimated for the target: comm / (comm + compute), compute = model FLOPs / (peak x
@@ -27,11 +27,11 @@ from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import compile_ahead as aot
+from longt5_jax.estimate import cost, flops, hlo, targets
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.plan import compile_ahead as aot
-from longt5_jax.plan import cost, flops, hlo, targets
 from longt5_jax.training.experiment import Experiment
 from longt5_jax.training.step import StepConfig
 
@@ -180,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input_length", type=cli.positive, default=512)
     p.add_argument("--target_length", type=cli.positive, default=64)
     p.add_argument("--steps", type=cli.positive, default=5, help="timed steps per strategy")
-    targets.add_cluster_arguments(
+    cli.add_cluster_arguments(
         p,
         nodes=2,
         help="whose program the memory and collectives are: a100-80gb, h100-80gb (compiled "

@@ -10,13 +10,14 @@ import shlex
 
 import jax
 
+from longt5_jax import kernel_checks
 from longt5_jax.doctor.report import Row, fail, ok, warn
 from longt5_jax.doctor.software import device_memory
 from longt5_jax.errors import first_line
-from longt5_jax.kernels import backend, harness, interface
+from longt5_jax.estimate import candidates
+from longt5_jax.estimate.shapes import ModelShapes
+from longt5_jax.kernels import backend, interface
 from longt5_jax.model import LongT5Config
-from longt5_jax.plan import candidates
-from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.experiment import Experiment
 from longt5_jax.training.optim import make_optimizer
 
@@ -157,12 +158,12 @@ def layer_check(model: LongT5Config) -> Row:
     wide = capability == "" or backend.suits(capability, "float32")
     dtype, tolerance = ("float32", 1e-4) if wide else ("bfloat16", 3e-2)
     xla = LongT5Config.preset("tiny", model.attention, dtype=dtype)
-    problem = harness.layer_problem(xla, 2, 32, packed=True)
+    problem = kernel_checks.layer_problem(xla, 2, 32, packed=True)
     fused = dataclasses.replace(xla, attention_kernel="pallas")
     how = "interpreted" if jax.default_backend() == "cpu" else "compiled"
     try:
-        want = harness.run_layer(xla, *problem, dtype=dtype)
-        got = harness.run_layer(fused, *problem, dtype=dtype)
+        want = kernel_checks.run_layer(xla, *problem, dtype=dtype)
+        got = kernel_checks.run_layer(fused, *problem, dtype=dtype)
     except Exception as e:  # a kernel that does not lower or launch here
         reason = first_line(e)
         return fail(
@@ -171,7 +172,7 @@ def layer_check(model: LongT5Config) -> Row:
             f"the fused kernels failed here ({how}): {reason}",
             "LongT5Config.attention_kernel='xla' (and report the failure)",
         )
-    errors = harness.relative_errors(got, want, problem[1]["seg"][..., None] > 0)
+    errors = kernel_checks.relative_errors(got, want, problem[1]["seg"][..., None] > 0)
     worst = max(errors, key=errors.get)
     detail = (
         f"tiny {model.attention} layer {how} in {dtype}, forward and backward against "

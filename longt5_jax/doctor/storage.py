@@ -14,7 +14,7 @@ from longt5_jax.data.pipeline import load_tokenizer, open_split
 from longt5_jax.data.sources import expand, open_source
 from longt5_jax.doctor.report import Row, fail, ok, warn
 from longt5_jax.errors import UsageError
-from longt5_jax.plan.shapes import ModelShapes
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.training.experiment import Experiment
 
 DEMO_EPOCHS = 100  # the demo itself trains 3

@@ -21,17 +21,18 @@ Map, from what the model sees down:
   each device's rows and heads under the placement `parallel.sharding` installs (the kernels
   never see the mesh; `on_own_records` places a call of named records); `by_distance`:
   gradients summed by distance.
-- `harness` (a layer above the model, `tests/test_shape.py`): a model layer as a problem, its
-  loss and gradients with either attention, their relative errors.
+- Their reference, `longt5_jax.kernel_checks` (a layer above the model, `tests/test_shape.py`):
+  a model layer as a problem, its loss and gradients with either attention, their relative
+  errors.
 
 To add a kernel: write it as a module here beside the code it replaces (name it in
 `launch.KERNELS`, with a `LAUNCH` pattern if it needs its own warps and stages, and declare
 its FLOPs in the name `call.call` gives it); reach it from `interface`, and from the model's
 attention module through `interface.fused`; test it in `tests/test_<name>_kernel.py` against
-the XLA path with `harness` (`layer_problem` or your own problem, `run_layer`,
+the XLA path with `kernel_checks` (`layer_problem` or your own problem, `run_layer`,
 `relative_errors`) at the tests' TOLERANCE, on CPU (interpreted), and compile it deviceless for
 a GPU (`tests/test_long_attention_kernel.py` shows both). `bench kernels` then times it on a
-GPU (a new kind of layer: its case in `harness.parse_case` and `case_problem`, its kernels'
+GPU (a new kind of layer: its case in `kernel_checks.parse_case` and `case_problem`, its kernels'
 prefix in `bench/kernels.py`'s `family`), `bench sass` reads its registers, `bench roofline`
 its bytes. Files a new kernel touches: its module (and its tiles' if they are many), `launch`,
 `interface`, the model's attention module, its test file, and docs/benchmarks.md's kernels

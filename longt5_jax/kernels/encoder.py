@@ -21,7 +21,7 @@ block (a [U, W] one-hot matmul, U << W), then by distance in XLA. Rows that see 
 output 0. Attention dropout is drawn per tile from `dropout.attention_keep`, the XLA path's masks.
 
 Each kernel declares its tensor-core FLOPs in its name (`NAME.flops_N`): XLA has no cost for a
-custom call, and `plan.roofline` reads them from there.
+custom call, and `estimate.roofline` reads them from there.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Letter key: B batch, T query length, S key length, D embed, H heads, K head dim.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,8 @@ MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only
 
 def qkvo_projections(c: LongT5Config) -> tuple[Projection, Projection, Projection, Projection]:
     """Query, key, value and output kernels with T5X's initialisers."""
-    qkv = dict(
+    qkv = functools.partial(
+        Projection,
         shape=(c.num_heads, c.d_kv),
         in_axes=("embed",),
         out_axes=("heads", "kv"),
@@ -28,9 +31,9 @@ def qkvo_projections(c: LongT5Config) -> tuple[Projection, Projection, Projectio
     )
     # No 1/sqrt(d_kv) on the logits: T5 folds it into the query initialiser.
     return (
-        Projection(**qkv, kernel_init=normal((c.d_model * c.d_kv) ** -0.5)),
-        Projection(**qkv, kernel_init=normal(c.d_model**-0.5)),
-        Projection(**qkv, kernel_init=normal(c.d_model**-0.5)),
+        qkv(kernel_init=normal((c.d_model * c.d_kv) ** -0.5)),
+        qkv(kernel_init=normal(c.d_model**-0.5)),
+        qkv(kernel_init=normal(c.d_model**-0.5)),
         Projection(
             (c.d_model,),
             ("heads", "kv"),
@@ -70,7 +73,10 @@ class Attention(nn.Module):
         seed = self.dropout(rows)
         # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
         if kernels.fused(c) and q_BTHK.shape[1] > 1:
-            dropout = None if seed is None else (seed, rows.ids, c.dropout_rate)
+            dropout = None
+            if seed is not None:
+                assert rows is not None  # a seed is drawn only for rows (AttentionDropout)
+                dropout = (seed, rows.ids, c.dropout_rate)
             out_BTHK = kernels.decoder_attention(
                 q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS=bias_HTS, dropout=dropout
             )
@@ -84,6 +90,7 @@ class Attention(nn.Module):
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
         probs = jax.nn.softmax(logits_BHTS, axis=-1)
         if seed is not None:
+            assert rows is not None  # a seed is drawn only for rows (AttentionDropout)
             _, h, t, s = probs.shape
             row, head = rows.ids[:, None, None, None], jnp.arange(h)[:, None, None]
             query, key = jnp.arange(t)[:, None], jnp.arange(s)

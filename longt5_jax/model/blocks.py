@@ -5,6 +5,8 @@ Letter key: B batch, L encoder length, T decoder length, S key length, D embed.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 
@@ -39,13 +41,13 @@ class EncoderLayer(nn.Module):
         side_table_HR: jax.Array | None,
     ):
         c, det, rows = self.config, self.deterministic, rows_of(row_ids, layer)
-        norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
-        h = RMSNorm(**norm, name="pre_attention_layer_norm")(x)
+        norm = functools.partial(RMSNorm, eps=c.layer_norm_eps, dtype=c.compute_dtype)
+        h = norm(name="pre_attention_layer_norm")(x)
         h = LongSelfAttention(c, det, name="attention")(
             h, segment_ids, local_bias_HWX, blocks, side_table_HR, rows
         )
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
-        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
+        h = MLP(c, det, name="mlp")(norm(name="pre_mlp_layer_norm")(x), rows)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         return nn.with_logical_constraint(x, EMBED), None
 
@@ -70,8 +72,8 @@ class DecoderLayer(nn.Module):
         cache_index: jax.Array,
     ):
         c, det, rows = self.config, self.deterministic, rows_of(row_ids, layer)
-        norm = dict(eps=c.layer_norm_eps, dtype=c.compute_dtype)
-        h = RMSNorm(**norm, name="pre_self_attention_layer_norm")(x)
+        norm = functools.partial(RMSNorm, eps=c.layer_norm_eps, dtype=c.compute_dtype)
+        h = norm(name="pre_self_attention_layer_norm")(x)
         attn = Attention(c, det, name="self_attention")
         k, v = attn.keys_values(h)
         if cache is not None:
@@ -80,7 +82,7 @@ class DecoderLayer(nn.Module):
         h = attn(h, k, v, self_mask, self_bias_HTS, rows)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
 
-        h = RMSNorm(**norm, name="pre_cross_attention_layer_norm")(x)
+        h = norm(name="pre_cross_attention_layer_norm")(x)
         cross = Attention(c, det, name="encoder_decoder_attention")
         if cache is not None and "cross_k" in cache:
             ck, cv = cache["cross_k"], cache["cross_v"]
@@ -90,7 +92,7 @@ class DecoderLayer(nn.Module):
             x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
         )
 
-        h = MLP(c, det, name="mlp")(RMSNorm(**norm, name="pre_mlp_layer_norm")(x), rows)
+        h = MLP(c, det, name="mlp")(norm(name="pre_mlp_layer_norm")(x), rows)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         x = nn.with_logical_constraint(x, EMBED)
         new_cache = None if cache is None else dict(self_k=k, self_v=v, cross_k=ck, cross_v=cv)

@@ -131,7 +131,9 @@ class LongT5Config:
         return f"d{self.d_model}-{self.num_encoder_layers}+{self.num_decoder_layers}layers-{kind}"
 
     @classmethod
-    def preset(cls, name: str, attention: str = "transient-global", **overrides) -> LongT5Config:
+    def preset(
+        cls, name: str, attention: Attention = "transient-global", **overrides
+    ) -> LongT5Config:
         """A published size ('small' .. 'xxl') or 'tiny' (a few thousand parameters, for tests)."""
         if name == "tiny":
             fields = dict(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast, overload
 
 import flax.linen as nn
 import jax
@@ -49,6 +49,20 @@ def _clamp(x: jax.Array) -> jax.Array:
 _clamp.defjvp(lambda primals, tangents: (_clamp(*primals), tangents[0]))
 
 
+def logical_param(
+    module: nn.Module,
+    name: str,
+    init: Initializer,
+    axes: tuple[str, ...],
+    shape: tuple[int, ...],
+) -> jax.Array:
+    """A float32 parameter of `module` whose axes carry logical names."""
+    boxed = module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+    # `param` unboxes the LogicallyPartitioned its initialiser returns, but flax types the
+    # result as the initialiser's return type.
+    return cast(jax.Array, boxed)
+
+
 class RMSNorm(nn.Module):
     """T5 layer norm: x * rsqrt(mean(x^2) + eps) * scale; no centring, no bias; stats in float32."""
 
@@ -57,12 +71,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param(
-            "scale",
-            nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            (x.shape[-1],),
-            jnp.float32,
-        )
+        scale = logical_param(self, "scale", nn.initializers.ones, ("embed",), (x.shape[-1],))
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return y.astype(self.dtype) * scale.astype(self.dtype)
@@ -89,6 +98,7 @@ class Dropout(nn.Module):
     def __call__(self, x: jax.Array, rows: Rows | None) -> jax.Array:
         if self.deterministic or self.rate == 0.0:
             return x
+        assert rows is not None, "dropout draws its masks from the rows' ids"
         key = jax.random.fold_in(self.make_rng("dropout"), rows.layer)
         keep_prob = 1.0 - self.rate
 
@@ -110,6 +120,7 @@ class AttentionDropout(nn.Module):
     def __call__(self, rows: Rows | None) -> jax.Array | None:
         if self.deterministic or self.rate == 0.0:
             return None
+        assert rows is not None, "attention dropout draws its seed from the layer"
         key = jax.random.fold_in(self.make_rng("dropout"), rows.layer)
         return jax.lax.bitcast_convert_type(jax.random.bits(key, (), jnp.uint32), jnp.int32)
 
@@ -123,18 +134,22 @@ class Projection(nn.Module):
     kernel_init: Initializer
     dtype: jnp.dtype
 
+    @overload
+    def __call__(self, x: jax.Array, /) -> jax.Array: ...
+
+    @overload
+    def __call__(
+        self, x: jax.Array, y: jax.Array, /, *more: jax.Array
+    ) -> tuple[jax.Array, ...]: ...
+
     @nn.compact
-    def __call__(self, x: jax.Array, *more: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    def __call__(self, x: jax.Array, /, *more: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
         """`x` projected; given `more` inputs, all of them, by one kernel whose gradient sums
         its uses in float32 and is rounded to the compute dtype once (`_shared_projection`)."""
         n_in = len(self.in_axes)
         kernel_shape = (*x.shape[x.ndim - n_in :], *self.shape)
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(self.kernel_init, (*self.in_axes, *self.out_axes)),
-            kernel_shape,
-            jnp.float32,
-        )
+        axes = (*self.in_axes, *self.out_axes)
+        kernel = logical_param(self, "kernel", self.kernel_init, axes, kernel_shape)
         kernel, xs = kernel.astype(self.dtype), tuple(a.astype(self.dtype) for a in (x, *more))
         if not more:
             return _project(n_in, xs[0], kernel)
@@ -186,15 +201,16 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, rows: Rows | None = None) -> jax.Array:
         c = self.config
-        wi = dict(
+        wi = functools.partial(
+            Projection,
             shape=(c.d_ff,),
             in_axes=("embed",),
             out_axes=("mlp",),
             kernel_init=truncated_normal_fan_in(),
             dtype=c.compute_dtype,
         )
-        gate = nn.gelu(Projection(**wi, name="wi_0")(x), approximate=True)
-        h = gate * Projection(**wi, name="wi_1")(x)
+        gate = nn.gelu(wi(name="wi_0")(x), approximate=True)
+        h = gate * wi(name="wi_1")(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = Dropout(c.dropout_rate, self.deterministic)(h, rows)
         return Projection(
@@ -215,11 +231,8 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
         c = self.config
-        table = self.param(
-            "embedding",
-            nn.with_logical_partitioning(normal(1.0), ("vocab", "embed")),
-            (c.vocab_size, c.d_model),
-            jnp.float32,
+        table = logical_param(
+            self, "embedding", normal(1.0), ("vocab", "embed"), (c.vocab_size, c.d_model)
         )
         x = jnp.take(table, ids, axis=0).astype(c.compute_dtype)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))

@@ -245,6 +245,7 @@ class LongSelfAttention(nn.Module):
         seed = self.dropout(rows)
         if seed is None:
             return [None] * len(logits)
+        assert rows is not None  # a seed is drawn only for rows (AttentionDropout)
         b, h, n, w = logits[0].shape[:4]
         row, head = rows.ids[:, None, None, None, None], jnp.arange(h)[:, None, None, None]
         query = (jnp.arange(n)[:, None] * w + jnp.arange(w))[:, :, None]
@@ -263,10 +264,11 @@ class LongSelfAttention(nn.Module):
         peak = jnp.max(jnp.stack([jnp.max(s, axis=-1, initial=-jnp.inf) for s in logits]), axis=0)
         exps = [jnp.exp(s - peak[..., None]) for s in logits]
         total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-        out_BHNWK = 0.0
+        out_BHNWK: jax.Array | float = 0.0
         for e, scale, (spec, v) in zip(exps, scales, values, strict=True):
             e = (e if scale is None else e * scale).astype(self.config.compute_dtype)
             out_BHNWK = out_BHNWK + jnp.einsum(spec, e, v, preferred_element_type=jnp.float32)
+        assert isinstance(out_BHNWK, jax.Array)  # `logits` always holds the local scores
         return (out_BHNWK / total).astype(self.config.compute_dtype)
 
     def _side_bias(

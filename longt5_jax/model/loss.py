@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +35,21 @@ def summed_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(summed loss, statistics) of `batch`: the loss with z-loss, and the sums training and
     evaluation both report (loss, z-loss, weight, correct tokens). Dropout when `rng` is set."""
-    logits = model.apply(
-        {"params": params},
-        batch["encoder_input_tokens"],
-        None,
-        batch["decoder_input_tokens"],
-        encoder_segment_ids=batch["encoder_segment_ids"],
-        encoder_positions=batch["encoder_positions"],
-        decoder_segment_ids=batch["decoder_segment_ids"],
-        deterministic=rng is None,
-        rngs=None if rng is None else {"dropout": rng},
-        row_ids=batch.get("row_ids"),
+    # `apply` returns the logits alone: only a `mutable` collection adds the variables to it.
+    logits = cast(
+        jax.Array,
+        model.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            None,
+            batch["decoder_input_tokens"],
+            encoder_segment_ids=batch["encoder_segment_ids"],
+            encoder_positions=batch["encoder_positions"],
+            decoder_segment_ids=batch["decoder_segment_ids"],
+            deterministic=rng is None,
+            rngs=None if rng is None else {"dropout": rng},
+            row_ids=batch.get("row_ids"),
+        ),
     )
     per_token, z_term = cross_entropy(logits, batch["decoder_target_tokens"], z_loss)
     weights = batch["decoder_loss_weights"]

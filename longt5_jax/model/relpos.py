@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longt5_jax.kernels.by_distance import sum_by_distance
-from longt5_jax.model.layers import uniform_fan_avg
+from longt5_jax.model.layers import logical_param, uniform_fan_avg
 
 
 def relative_position_bucket(
@@ -47,11 +47,12 @@ class RelposTable(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param(
+        return logical_param(
+            self,
             "rel_embedding",
-            nn.with_logical_partitioning(uniform_fan_avg(), ("heads", "relpos_buckets")),
+            uniform_fan_avg(),
+            ("heads", "relpos_buckets"),
             (self.num_heads, self.num_buckets),
-            jnp.float32,
         )
 
 

@@ -1,7 +1,7 @@
 """XLA compiler options for our executables, chosen per platform: the one place they are set.
 
 The train step compiles with them (`step.ShardedStep`), on a cluster and in the deviceless
-compile-ahead alike (`plan/compile_ahead.py`), so the simulated program is the one the cluster
+compile-ahead alike (`estimate/compile_ahead.py`), so the simulated program is the one the cluster
 runs; the launch scripts set no XLA flags of their own.
 
 CPU: jaxlib 0.10 hands dots, elementwise ops and reductions to YNNPACK fusions. Its dots are

@@ -30,14 +30,14 @@ import time
 
 from longt5_jax import cli
 from longt5_jax.errors import RunFault, UsageError
+from longt5_jax.estimate import candidates as cands
+from longt5_jax.estimate import compile_ahead, cost, hlo, targets
+from longt5_jax.estimate.candidates import Estimate
+from longt5_jax.estimate.cost import Cluster
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.kernels.interface import resolve, runs_on
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import OFFLOADS
-from longt5_jax.plan import candidates as cands
-from longt5_jax.plan import compile_ahead, cost, hlo, targets
-from longt5_jax.plan.candidates import Estimate
-from longt5_jax.plan.cost import Cluster
-from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 
 _CHILD = "LONGT5_PLAN_CHILD"
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m longt5_jax.plan",
         description=__doc__.split("\n")[0],
-        settle=targets.settle_dtype,
+        settle=cli.settle_dtype,
     )
     p.add_argument("--model", default="base", help="preset: tiny, small, base, large, xl, xxl")
     p.add_argument("--attention", default="tglobal", help="local or tglobal")
@@ -63,9 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input_length", type=int, default=4096)
     p.add_argument("--target_length", type=int, default=512)
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[128], help="global batches")
-    targets.add_dtype_argument(p)
+    cli.add_dtype_argument(p)
     p.add_argument("--optimizer", default="adafactor", choices=["adafactor", "adamw"])
-    targets.add_cluster_arguments(p, cpu=True)
+    cli.add_cluster_arguments(p, cpu=True)
     p.add_argument("--memory_gib", type=float, help="per GPU (default: the target's)")
     p.add_argument(
         "--peak_tflops", type=float, help="per GPU, dense, in --dtype (default: the target's)"
@@ -323,3 +323,7 @@ def _main(argv: list[str]) -> int:
                 raise UsageError(f"could not make {cluster.devices} CPU devices") from None
             return _rerun(argv, cluster.devices)
     return run(args, config, cluster, target, devices)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

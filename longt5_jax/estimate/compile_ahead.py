@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import optax
 
 from longt5_jax.data.batching import FEATURES
+from longt5_jax.estimate import cost, hlo, hlo_module, roofline, targets
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig, compile_only, make_mesh, node_of
-from longt5_jax.plan import cost, hlo, hlo_module, roofline, targets
 from longt5_jax.training.step import Batch, ShardedStep, StepConfig
 
 

@@ -24,8 +24,8 @@ import re
 
 import numpy as np
 
-from longt5_jax.plan.hlo import KINDS
-from longt5_jax.plan.hlo_module import (
+from longt5_jax.estimate.hlo import KINDS
+from longt5_jax.estimate.hlo_module import (
     Computation,
     Instr,
     Module,

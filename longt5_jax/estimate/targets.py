@@ -17,7 +17,6 @@ target default `--dtype` to it and refuse bfloat16 where it has none.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -30,7 +29,6 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh
 
-from longt5_jax.errors import UsageError
 from longt5_jax.parallel.devices import cpu_devices, half_precision
 
 SPECS = Path(__file__).parent / "gpu_specs"
@@ -171,47 +169,9 @@ def prepare_environment() -> None:
         jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
-def add_cluster_arguments(
-    parser, cpu: bool = False, nodes: int | list[int] = 8, help: str = ""
-) -> None:
-    """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them
-    (--nodes a list of node counts where `nodes` is one)."""
-    parser.add_argument("--target", default="a100-80gb", help=help or names_help(cpu))
-    many = {"nargs": "+"} if isinstance(nodes, list) else {}
-    parser.add_argument("--nodes", type=_at_least_one, default=nodes, **many)
-    parser.add_argument("--gpus_per_node", type=_at_least_one, default=4)
-
-
-def _at_least_one(text: str) -> int:
-    """An argparse type for a count of nodes or GPUs (cli's checked numbers sit above plan)."""
-    value = int(text) if text.strip().isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def names_help(cpu: bool = False) -> str:
     """What --target takes, for a help line: 'a100-80gb, h100-80gb, ..., cpu or a file'."""
     return _either([*names(), *(["cpu"] if cpu else []), "a file"])
-
-
-def add_dtype_argument(parser) -> None:
-    """--dtype, whose default the target decides (`settle_dtype` settles it once parsed)."""
-    parser.add_argument(
-        "--dtype", choices=["bfloat16", "float16", "float32"],
-        help="activation/matmul dtype (default: the target's half precision: bfloat16, float16 "
-        "on a GPU without bfloat16)",
-    )  # fmt: skip
-
-
-def settle_dtype(args) -> None:
-    """An unset --dtype becomes the target's half precision; bfloat16 on a GPU without it is a
-    one-line error. Every command compiling for a target parses with it (`cli.ArgumentParser`'s
-    `settle`), so commands sharing a parser (`bench cluster`, `bench scaling`) settle alike."""
-    try:
-        args.dtype = load(args.target).dtype(args.dtype)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
 
 
 def open_target(name: str, nodes: int, gpus_per_node: int) -> tuple[Target, list]:

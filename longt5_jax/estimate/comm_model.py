@@ -34,10 +34,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from longt5_jax.estimate.hlo import KINDS, ring_bytes
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.pipeline import Pipeline
-from longt5_jax.plan.hlo import KINDS, ring_bytes
-from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.step import StepConfig
 
 Volumes = dict[str, dict[str, float]]  # kind -> mesh axis -> bytes per device per step

@@ -1,6 +1,6 @@
 """Check a data config before training: batch shapes, padding/packing efficiency, an example.
 
-python -m longt5_jax.data.preview --gin_file=configs/data/aclsum.gin [--num_batches 3]
+python -m longt5_jax.data_preview --gin_file=configs/data/aclsum.gin [--num_batches 3]
     [--split train] [--gin.DataConfig.input_length=16384]
 """
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     parser = cli.ArgumentParser(
-        prog="python -m longt5_jax.data.preview", description=__doc__.splitlines()[0]
+        prog="python -m longt5_jax.data_preview", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--num_batches", type=cli.positive, default=2)
     parser.add_argument("--split", default="train")

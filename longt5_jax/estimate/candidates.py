@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from longt5_jax.estimate import comm_model, cost, flops, memory_model
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 from longt5_jax.parallel.mesh import OFFLOADS, ParallelConfig
-from longt5_jax.plan import comm_model, cost, flops, memory_model
-from longt5_jax.plan.shapes import ModelShapes
 from longt5_jax.training.step import StepConfig
 
 

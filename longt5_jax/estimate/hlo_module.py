@@ -1,7 +1,7 @@
 """Optimised HLO text as data: its computations and instructions, array types and their bytes,
 and how often each scheduled computation runs per step (a while loop's body once per iteration:
 XLA's `known_trip_count`, or the bound its condition compares with; peeled loops counted).
-`plan/hlo.py` reads the collectives and memory of a compiled step from it.
+`estimate/hlo.py` reads the collectives and memory of a compiled step from it.
 """
 
 from __future__ import annotations

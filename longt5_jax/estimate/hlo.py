@@ -1,4 +1,4 @@
-"""Reading a compiled step's optimised HLO (parsed by `plan/hlo_module.py`): the bytes its
+"""Reading a compiled step's optimised HLO (parsed by `estimate/hlo_module.py`): the bytes its
 collectives move per device, on which mesh axes and links; and its memory from XLA's buffer
 assignment.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from longt5_jax.plan.hlo_module import (
+from longt5_jax.estimate.hlo_module import (
     Computation,
     Instr,
     Module,

@@ -1,6 +1,6 @@
 """Converts records from any source format into sharded ArrayRecord files for fast random access.
 
-    python -m longt5_jax.data.convert --input 'data/*.jsonl.gz' --output_dir out/ --num_shards 4
+    python -m longt5_jax.data_convert --input 'data/*.jsonl.gz' --output_dir out/ --num_shards 4
         [--input_field article] [--target_field abstract] [--format jsonl]
         [--skip_bad_records N] [--name train] [--overwrite]
 
@@ -97,7 +97,7 @@ def write_shards(
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(
-        prog="python -m longt5_jax.data.convert", description=__doc__.splitlines()[0]
+        prog="python -m longt5_jax.data_convert", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--input", nargs="+", required=True, help="files or glob patterns")
     parser.add_argument("--output_dir", required=True)

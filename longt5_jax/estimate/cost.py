@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from longt5_jax.plan.hlo import Collective, Placement
-from longt5_jax.plan.targets import Target
+from longt5_jax.estimate.hlo import Collective, Placement
+from longt5_jax.estimate.targets import Target
 
 
 @dataclasses.dataclass(frozen=True)
