@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, cast
 
 import jax.numpy as jnp
 
@@ -20,6 +20,7 @@ _SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_attention")
 ATTENTION_KERNELS = ("xla", "pallas", "auto")
+CAST_PARAMS = ("once", "at_use")
 _ATTENTION_ALIASES = {
     "local": "local",
     "transient-global": "transient-global",
@@ -56,6 +57,13 @@ class LongT5Config:
     # step to zero-fill and copy saved activations, each layer's parameters and their gradients
     # through; parameters keep their [layers, ...] layout either way.
     scan_layers: bool = True
+    # Where a layer stack's float32 parameters become `dtype`: "once" a step, before its layers
+    # (the forward, the recomputation and the backward read one cast copy, and the backward
+    # stacks the layers' gradients in `dtype`; the copy lives from the forward to the backward),
+    # or "at_use", in each layer as it reads them (no copy held). Which needs less memory is the
+    # layout's: "at_use" where whole parameters sit beside sharded gradients (data parallelism
+    # with ZeRO-2, `configs/parallel/dp32_zero2.gin`), "once" elsewhere. Equal to float rounding.
+    cast_params: str = "once"
     # Attention: "xla" (the reference, score tensors in memory), "pallas" (fused kernels for
     # the encoder's and the decoder's attention, `longt5_jax.kernels`:
     # Triton on a GPU, interpreted on a CPU; attention dropout inside them) or "auto" (the
@@ -79,6 +87,10 @@ class LongT5Config:
             raise ValueError(
                 f"LongT5Config.attention_kernel={self.attention_kernel!r}: expected one of "
                 f"{ATTENTION_KERNELS}"
+            )
+        if self.cast_params not in CAST_PARAMS:
+            raise ValueError(
+                f"LongT5Config.cast_params={self.cast_params!r}: expected one of {CAST_PARAMS}"
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(
@@ -131,9 +143,7 @@ class LongT5Config:
         return f"d{self.d_model}-{self.num_encoder_layers}+{self.num_decoder_layers}layers-{kind}"
 
     @classmethod
-    def preset(
-        cls, name: str, attention: Attention = "transient-global", **overrides
-    ) -> LongT5Config:
+    def preset(cls, name: str, attention: str = "transient-global", **overrides) -> LongT5Config:
         """A published size ('small' .. 'xxl') or 'tiny' (a few thousand parameters, for tests)."""
         if name == "tiny":
             fields = dict(
@@ -158,4 +168,5 @@ class LongT5Config:
             raise ValueError(
                 f"unknown LongT5 preset {name!r}: expected 'tiny' or one of {list(_SIZES)}"
             )
-        return cls(attention=attention, **{**fields, **overrides})
+        # `attention` may be an alias ("tglobal"): __post_init__ names it or refuses it.
+        return cls(attention=cast(Attention, attention), **{**fields, **overrides})

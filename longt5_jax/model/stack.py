@@ -114,17 +114,21 @@ def run(
     c, held = parent.config, jax.tree.leaves(stack.variables["params"])[0].shape[0]
     k = runner.chunk_length(held, f"{type(parent).__name__} layers")
     rngs = {} if deterministic else {"dropout": parent.make_rng("dropout")}
-    # A layer uses its parameters in the compute dtype only, so a chunk casts them once: not
-    # again in the forward, the recomputation and the backward, and the backward stacks the
-    # layers' gradients in that dtype. A kernel used twice in a layer sums its gradients in
-    # float32 itself (`layers.Projection` given several inputs). The cast is inside stage_fn,
-    # not before the runner: a pipeline runs a chunk once per microbatch, and its gradients are
-    # summed over the microbatches in the parameters' float32 (the cast's transpose), not in bf16.
+    # A layer uses its parameters in the compute dtype only, so with cast_params="once" a chunk
+    # casts them once: not again in the forward, the recomputation and the backward, and the
+    # backward stacks the layers' gradients in that dtype. A kernel used twice in a layer sums
+    # its gradients in float32 itself (`layers.Projection` given several inputs). The cast is
+    # inside stage_fn, not before the runner: a pipeline runs a chunk once per microbatch, and
+    # its gradients are summed over the microbatches in the parameters' float32 (the cast's
+    # transpose), not in bf16. With "at_use" each layer casts where it reads a parameter
+    # (`layers.Projection`), so no cast copy of the stack outlives the forward.
     chunk = scanned(layer, c, k, in_axes, deterministic, None, parent=None)
+    cast_once = c.cast_params == "once"
 
     def stage_fn(params, h, rows, shared, index):
         layers = index * k + jnp.arange(k)
-        params = jax.tree.map(lambda p: p.astype(c.compute_dtype), params)
+        if cast_once:
+            params = jax.tree.map(lambda p: p.astype(c.compute_dtype), params)
 
         def apply(h, *args):
             return chunk.apply({"params": params}, h, layers, *args, rngs=rngs)[0]

@@ -30,8 +30,9 @@ IDENTITY_NAME = "run.json"  # one of cli.RUN_FILES: no command writes over it
 # How the same values are computed, not which: remat recomputes activations in the backward
 # pass (a resume may switch it to fit memory on other devices), attention_kernel picks the XLA
 # path or the fused kernels (equal to float rounding), scan_layers a scan over the layers or the
-# layers unrolled. A resume may change them and still be the same run.
-FREE_FIELDS = ("remat", "attention_kernel", "scan_layers")
+# layers unrolled, cast_params where the layers' parameters become the compute dtype. A resume
+# may change them and still be the same run.
+FREE_FIELDS = ("remat", "attention_kernel", "scan_layers", "cast_params")
 
 
 class IdentityError(UsageError):
@@ -115,7 +116,8 @@ def _differences(saved: dict, current: dict) -> list[str]:
         )
     if saved.get("objective") not in (None, current["objective"]):
         out.append(f"DataConfig.objective={saved['objective']!r} (now {current['objective']!r})")
-    model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+    model = saved.get("model")
+    model = model if isinstance(model, dict) else {}
     for field, value in model.items():
         now = current["model"].get(field, value)
         if field not in FREE_FIELDS and now != value:
