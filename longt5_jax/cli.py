@@ -19,8 +19,9 @@ import re
 import sys
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from longt5_jax import environment
 from longt5_jax.errors import RunFault, UsageError
@@ -34,13 +35,13 @@ class ArgumentParser(argparse.ArgumentParser):
     usage block; `--help` is unchanged. `settle(args)`, where given, completes or refuses what
     one flag means given another (a dtype the target decides), once parsed."""
 
-    def __init__(self, *args, settle: typing.Callable[[argparse.Namespace], None] | None = None,
-                 **kwargs):  # fmt: skip
+    def __init__(self, *args: Any, settle: Callable[[argparse.Namespace], None] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.settle = settle
 
-    def parse_known_args(self, args=None, namespace=None):
-        parsed, rest = super().parse_known_args(args, namespace)
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
+        parsed, rest = super().parse_known_args(*args, **kwargs)
         if self.settle is not None:
             self.settle(parsed)
         return parsed, rest
@@ -49,11 +50,14 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def _number(convert: typing.Callable[[str], float], holds: typing.Callable[[float], bool],
-            expected: str) -> typing.Callable[[str], float]:  # fmt: skip
+N = typing.TypeVar("N", int, float)
+
+
+def _number(convert: Callable[[str], N], holds: Callable[[N], bool],
+            expected: str) -> Callable[[str], N]:  # fmt: skip
     """An argparse type: `convert(text)` where `holds` of it; else one line, 'expected ...'."""
 
-    def parse(text: str):
+    def parse(text: str) -> N:
         try:
             value = convert(text)
         except ValueError:
@@ -72,17 +76,17 @@ fraction = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # an MFU
 
 
 def add_cluster_arguments(
-    parser, cpu: bool = False, nodes: int | list[int] = 8, help: str = ""
+    parser: argparse.ArgumentParser, cpu: bool = False, nodes: int | list[int] = 8, help: str = ""
 ) -> None:
     """--target, --nodes and --gpus_per_node, as every command that compiles ahead takes them
     (--nodes a list of node counts where `nodes` is one)."""
     parser.add_argument("--target", default="a100-80gb", help=help or targets.names_help(cpu))
-    many = {"nargs": "+"} if isinstance(nodes, list) else {}
+    many: dict[str, Any] = {"nargs": "+"} if isinstance(nodes, list) else {}
     parser.add_argument("--nodes", type=positive, default=nodes, **many)
     parser.add_argument("--gpus_per_node", type=positive, default=4)
 
 
-def add_dtype_argument(parser) -> None:
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """--dtype, whose default the target decides (`settle_dtype` settles it once parsed)."""
     parser.add_argument(
         "--dtype", choices=["bfloat16", "float16", "float32"],
@@ -91,7 +95,7 @@ def add_dtype_argument(parser) -> None:
     )  # fmt: skip
 
 
-def settle_dtype(args) -> None:
+def settle_dtype(args: argparse.Namespace) -> None:
     """An unset --dtype becomes the target's half precision; bfloat16 on a GPU without it is a
     one-line error. Every command compiling for a target parses with it (`ArgumentParser`'s
     `settle`), so commands sharing a parser (`bench cluster`, `bench scaling`) settle alike."""
@@ -138,10 +142,11 @@ RUN_FILES = (
     "run.json",
 )
 _RUN_MARKS = ("checkpoints", "train.lock", "run.json")  # a directory holding one is a MODEL_DIR
-Named = tuple[str, "str | os.PathLike | None"]  # (what the user called it: '--input', a path)
+# (what the user called it: '--input', a path)
+Named = tuple[str, "str | os.PathLike[str] | None"]
 
 
-def _real(path: str | os.PathLike) -> Path:
+def _real(path: str | os.PathLike[str]) -> Path:
     """The path with `~`, `..` and every symlink resolved, absolute: two names of one file
     compare equal."""
     return Path(path).expanduser().resolve()
@@ -164,7 +169,9 @@ def _run_file(path: Path) -> tuple[Path, str] | None:
     return None
 
 
-def check_outputs(outputs: list[Named], inputs: list[Named], checkpoints: list[Named] = ()) -> None:
+def check_outputs(
+    outputs: Sequence[Named], inputs: Sequence[Named], checkpoints: Sequence[Named] = ()
+) -> None:
     """Refuse, before any work, an output that is (or resolves to) one of the command's
     `inputs`, is or lies inside one of the `checkpoints` it reads (a checkpoint's directory is
     orbax's: a clean-up removes it whole, with whatever else was put in it), or would write

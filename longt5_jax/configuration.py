@@ -1,7 +1,9 @@
 """Gin, T5X-style: `--gin_file` (repeatable) and `--gin.NAME=VALUE` bind a few typed dataclasses.
 
 Only the dataclasses registered here are configurable. Errors come back as one line naming the
-file or binding; values are checked against the dataclass field types.
+file or binding; values are checked against the dataclass field types. A command builds exactly
+the sections it needs: `from_args(argv, Experiment)` every one, `from_args(argv, Record)` the
+fields of its own frozen record, each built by its annotated type.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from pathlib import Path
 import gin
 
 from longt5_jax.errors import ConfigError
-from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.experiment import Experiment, Sections, section_types
 
-SECTIONS = Experiment.section_types()
+T = typing.TypeVar("T")
+S = typing.TypeVar("S", bound=Sections)
+
+SECTIONS = section_types(Experiment)
 CONFIGURABLE = {
     cls.__name__: gin.external_configurable(cls, name=cls.__name__) for cls in SECTIONS.values()
 }
@@ -152,17 +157,17 @@ def _unparsable(files: Sequence[str], bindings: Sequence[str], error: Exception)
 
 def from_args(
     argv: Sequence[str],
-    sections: Sequence[str] = tuple(SECTIONS),
+    sections: type[S],
     *,
     flags: Sequence[str] = (),
     preset: Sequence[str] = (),
     file_required: str = "",
-) -> tuple[Experiment, set[str]]:
+) -> tuple[S, set[str]]:
     """The gin front end of every command: `--gin_file`s and `--gin.NAME=VALUE`s from `argv`
     (besides the bare `flags` it allows), parsed with the `preset` bindings first (a command's
-    own values, which the user's bindings still override), and the named `sections` built.
-    Returns the experiment (the sections not named are None) and the flags given;
-    `file_required` is the error when no gin file is given."""
+    own values, which the user's bindings still override), and each field of the `sections`
+    record built by its type. Returns the record and the flags given; `file_required` is the
+    error when no gin file is given."""
     files, bindings, rest = split_gin_args(argv)
     unknown = [a for a in rest if a not in flags]
     if unknown:
@@ -171,29 +176,34 @@ def from_args(
     if file_required and not files:
         raise ConfigError(file_required)
     parse(files, [*preset, *bindings])
-    return Experiment(**{name: build(SECTIONS[name]) for name in sections}), set(rest)
+    built: dict[str, object] = {name: build(cls) for name, cls in section_types(sections).items()}
+    return sections(**built), set(rest)
 
 
-def build(cls: type) -> typing.Any:
+def build(cls: type[T]) -> T:
     """An instance of a registered dataclass from the parsed bindings, each checked by type."""
     hints = typing.get_type_hints(cls)
     own = gin.get_bindings(cls.__name__)
     old = _renamed_bindings(cls.__name__, set(own))
     for field, value in {**own, **old}.items():
-        if field in hints and not _matches(value, hints[field]):
+        hint = hints.get(field)
+        if hint is not None and not _matches(value, hint):
             raise ConfigError(
-                f"{cls.__name__}.{field} = {value!r}: expected {_describe(hints[field])}"
+                f"{cls.__name__}.{field} = {value!r}: expected {_expected(hint, value)}"
             )
     try:
-        return CONFIGURABLE[cls.__name__](**old)
+        built = CONFIGURABLE[cls.__name__](**old)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
+    if not isinstance(built, cls):
+        raise TypeError(f"{cls.__name__} is not a configurable section")
+    return built
 
 
 def _renamed_bindings(name: str, bound: set[str]) -> dict[str, typing.Any]:
     """The bindings still made to `name`'s old gin name (those the new name leaves unset), each
     old name said once on stderr with what to write instead."""
-    found = {}
+    found: dict[str, typing.Any] = {}
     for old in (o for o, new in RENAMED.items() if new == name):
         legacy = gin.get_bindings(old)
         if legacy:
@@ -206,6 +216,13 @@ def _matches(value: typing.Any, hint: typing.Any) -> bool:
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
         return value in typing.get_args(hint)
+    # `tuple[X, ...]`: a gin list, ['a', 'b'], or one value alone (the dataclass makes either
+    # its tuple).
+    if origin is tuple:
+        if isinstance(value, str) and "," in value:  # the comma-joined string files once were
+            return False
+        items = value if isinstance(value, list | tuple) else [value]
+        return all(_matches(item, typing.get_args(hint)[0]) for item in items)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, h) for h in typing.get_args(hint))
     if hint is type(None):
@@ -217,9 +234,18 @@ def _matches(value: typing.Any, hint: typing.Any) -> bool:
     return isinstance(value, hint)
 
 
+def _expected(hint: typing.Any, value: typing.Any) -> str:
+    """What a field takes; for a list given as one comma-joined string, the list to write."""
+    if typing.get_origin(hint) is tuple and isinstance(value, str) and "," in value:
+        return f"{_describe(hint)}: write {[v.strip() for v in value.split(',')]!r}"
+    return _describe(hint)
+
+
 def _describe(hint: typing.Any) -> str:
     if typing.get_origin(hint) is typing.Literal:
         return " or ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(h) for h in typing.get_args(hint))
     return "None" if hint is type(None) else hint.__name__
@@ -229,10 +255,11 @@ def bound(name: str) -> dict[str, typing.Any]:
     """The values the parsed gin files and bindings give the fields of the configurable `name`
     (macros resolved), whether or not the command builds it."""
     try:
-        return gin.get_bindings(name)
+        found: dict[str, typing.Any] = gin.get_bindings(name)
+        return found
     except (ValueError, KeyError) as e:  # an unresolvable reference: said where it is built
         raise ConfigError(" ".join(str(e).split())) from None
 
 
 def operative_config() -> str:
-    return gin.operative_config_str()
+    return str(gin.operative_config_str())

@@ -17,8 +17,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 from array_record.python import array_record_module
 from tqdm import tqdm
@@ -29,6 +30,14 @@ from longt5_jax.formats.atomic import publishing
 
 # Grain reads one record at a time; a group size of 1 makes each read decode only that record.
 WRITER_OPTIONS = "group_size:1"
+
+
+class Records(Protocol):
+    """What is converted: records by index (a source of data/sources.py, or a list)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Mapping[str, str]: ...
 
 
 def shard_paths(output_dir: Path, name: str, num_shards: int) -> list[Path]:
@@ -44,7 +53,7 @@ def _existing_shards(output_dir: Path, name: str) -> list[Path]:
 
 
 def _write_shard(
-    source: Sequence[dict[str, str]],
+    source: Records,
     indices: range,
     path: Path,
     fields: tuple[str, str],
@@ -72,8 +81,8 @@ def check_no_shards(output_dir: Path, name: str, overwrite: bool) -> None:
 
 
 def write_shards(
-    source: Sequence[dict[str, str]],
-    output_dir: str | os.PathLike,
+    source: Records,
+    output_dir: str | os.PathLike[str],
     num_shards: int,
     name: str = "train",
     fields: tuple[str, str] = ("article", "abstract"),
@@ -95,7 +104,7 @@ def write_shards(
     return paths
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(
         prog="python -m longt5_jax.data_convert", description=__doc__.splitlines()[0]
     )
@@ -114,12 +123,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (2 with a one-line error for bad input)."""
     return cli.run(_main, argv)
 
 
-def _main(argv: Sequence[str]) -> int:
+def _main(argv: list[str]) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     fields = (args.input_field, args.target_field)

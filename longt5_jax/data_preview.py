@@ -6,14 +6,22 @@ python -m longt5_jax.data_preview --gin_file=configs/data/aclsum.gin [--num_batc
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 import numpy as np
 
 from longt5_jax import cli, configuration
-from longt5_jax.data.pipeline import load_tokenizer, make_dataset
+from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset
 from longt5_jax.data.sources import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class PreviewSections:
+    """The one section the preview builds."""
+
+    data: DataConfig
 
 
 def _summary(batch: dict[str, np.ndarray]) -> str:
@@ -38,8 +46,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--split", default="train")
     args, rest = parser.parse_known_args(argv)
     # A run config's required MODEL_DIR is never used here: bind one so the config parses.
-    cfg, _ = configuration.from_args(rest, ("data",), preset=["MODEL_DIR = ''"])
-    cfg = cfg.data
+    sections, _ = configuration.from_args(rest, PreviewSections, preset=["MODEL_DIR = ''"])
+    cfg = sections.data
     start = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
     print(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
@@ -19,10 +21,12 @@ from longt5_jax import cli
 from longt5_jax.infer.decode import greedy_decode
 from longt5_jax.model import LongT5, LongT5Config, count_params
 
+T = TypeVar("T")
 
-def _timed(label: str, fn, *args):
+
+def _timed(label: str, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
+    out: T = jax.block_until_ready(fn(*args))
     seconds = time.perf_counter() - start
     print(f"{label:<34}{seconds:9.2f} s", flush=True)
     return out, seconds

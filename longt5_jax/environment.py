@@ -3,7 +3,7 @@ and the metrics port, each checked the same way by every command's start-up (`cl
 `python -m longt5_jax.doctor`.
 
 XLA aborts a process whose XLA_FLAGS holds a flag it does not know (a fatal log, no exception to
-catch), so the flags are tried in a throwaway process that starts only XLA's CPU client (0.3 s,
+catch), so the flags are tried in a throwaway process that starts only XLA's CPU client (fast:
 no jax import, no accelerator touched; a string that passed is not tried again). A platform in
 JAX_PLATFORMS that is absent shows when jax first starts its backends (a bare AssertionError or
 RuntimeError from jax's backend set-up); the platforms present are then asked of a process

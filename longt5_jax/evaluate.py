@@ -14,22 +14,37 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 from tqdm import tqdm
 
 from longt5_jax import cli, configuration
-from longt5_jax.data.pipeline import global_batch
+from longt5_jax.data.pipeline import DataConfig, global_batch
 from longt5_jax.data.sources import expand
 from longt5_jax.errors import UsageError
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.formats.native import model_config, resolve, step_of
 from longt5_jax.infer import evaluation
+from longt5_jax.infer.decode import DecodeConfig
+from longt5_jax.infer.evaluation import EvalConfig
 from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
 from longt5_jax.parallel.devices import cpu_devices
-from longt5_jax.training.experiment import Experiment
+from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.training.identity import FREE_FIELDS
+from longt5_jax.training.run_config import RunConfig
 from longt5_jax.training.step import Evaluator
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSections:
+    """The sections evaluation builds; the model is the checkpoint's."""
+
+    run: RunConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    eval: EvalConfig
+    decode: DecodeConfig
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,10 +62,10 @@ def _model_dir(step_dir: Path) -> Path:
     return step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
 
 
-def _configure(argv: list[str], step_dir: Path) -> Experiment:
+def _configure(argv: list[str], step_dir: Path) -> EvalSections:
     cfg, _ = configuration.from_args(
         argv,
-        ("run", "data", "parallel", "eval", "decode"),
+        EvalSections,
         # Run configs require a MODEL_DIR: here it is the checkpoint's (unless bound again).
         preset=[f"MODEL_DIR = '{_model_dir(step_dir)}'"],
         file_required="--gin_file is required (a run's MODEL_DIR/config.gin works)",
@@ -75,15 +90,15 @@ def _output_dir(args: argparse.Namespace, step_dir: Path) -> Path:
     return Path(args.output_dir or _model_dir(step_dir) / "eval" / f"step_{step_of(step_dir)}")
 
 
-def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: Experiment, step_dir: Path):
+def _check_outputs(
+    args: argparse.Namespace, gin_args: list[str], cfg: EvalSections, step_dir: Path
+) -> None:
     """Its two output files are none of what it reads: the checkpoint, gin files, tokenizer and
     the split's data files."""
     data, split = cfg.data, args.split or cfg.eval.split
-    files = [
-        p.strip() for p in (data.train_files if split == "train" else data.eval_files).split(",")
-    ]
-    files = expand([p for p in files if p]) if data.task == "files" and any(files) else []
-    inputs = [("--tokenizer", args.tokenizer or None)]
+    patterns = data.train_files if split == "train" else data.eval_files
+    files = expand(list(patterns)) if data.task == "files" and patterns else []
+    inputs: list[cli.Named] = [("--tokenizer", args.tokenizer or None)]
     inputs += [("DataConfig.tokenizer", data.tokenizer or None)]
     inputs += [("--gin_file", f) for f in configuration.split_gin_args(gin_args)[0]]
     inputs += [(f"the {split} data file", f) for f in files]
@@ -94,7 +109,7 @@ def _check_outputs(args: argparse.Namespace, gin_args: list[str], cfg: Experimen
     cli.check_outputs(outputs, inputs, [("--checkpoint", step_dir)])
 
 
-def evaluate(args: argparse.Namespace, cfg: Experiment, step_dir: Path) -> dict:
+def evaluate(args: argparse.Namespace, cfg: EvalSections, step_dir: Path) -> dict[str, Any]:
     """Loss and ROUGE of the checkpoint on the split; writes predictions and metrics."""
     data, split = cfg.data, args.split or cfg.eval.split
     # Every document is evaluated: the last batch is padded, never dropped.
@@ -118,7 +133,7 @@ def evaluate(args: argparse.Namespace, cfg: Experiment, step_dir: Path) -> dict:
         data,
         data.batch_size,
     )
-    metrics = {f"eval_{k}": v for k, v in loss.items()}
+    metrics: dict[str, Any] = {f"eval_{k}": v for k, v in loss.items()}
     with tqdm(total=len(examples), desc=f"decoding {split}", unit="doc", disable=None) as bar:
         tokens = evaluation.predict(generator.tokens, examples, data, data.batch_size, bar.update)
     scores, records = evaluation.rouge_of(tokenizer, examples, tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -68,15 +69,24 @@ def _perturbed(params, seed: int):
     )
 
 
-def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
+class Problem(NamedTuple):
+    """A layer's parameters, its inputs by name and its output's cotangent."""
+
+    params: Any
+    inputs: dict[str, Any]
+    cotangent: jax.Array
+
+
+def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0) -> Problem:
     """(params, inputs, cotangent) of one encoder attention layer: random parameters, tables and
     input."""
     rng = np.random.default_rng(seed)
     seg, pos = rows(batch, length, packed, rng)
     tglobal = config.attention == "transient-global"
     h, r = config.num_heads, config.relpos_buckets
+    x = jnp.asarray(rng.normal(size=(batch, length, config.d_model)), jnp.float32)
     inputs = {
-        "x": jnp.asarray(rng.normal(size=(batch, length, config.d_model)), jnp.float32),
+        "x": x,
         "seg": jnp.asarray(seg),
         "blocks": global_blocks(jnp.asarray(seg), jnp.asarray(pos), config.global_block_size)
         if tglobal
@@ -93,8 +103,8 @@ def layer_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
     )  # fmt: skip
     params = nn.unbox(params)["params"]
     real = jnp.asarray(seg > 0)[..., None]
-    cotangent = jnp.asarray(rng.normal(size=inputs["x"].shape), jnp.float32) * real
-    return _perturbed(params, seed), inputs, cotangent
+    cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32) * real
+    return Problem(_perturbed(params, seed), inputs, cotangent)
 
 
 def _decoder_attention(config):
@@ -113,7 +123,7 @@ def _decoder_attention(config):
     return DecoderAttention()
 
 
-def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0):
+def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0) -> Problem:
     """(params, inputs, cotangent) of a decoder layer's attention over `length` encoder tokens
     (padded or packed) from TARGETS queries, or `length` if fewer (all real; causal)."""
     rng = np.random.default_rng(seed)
@@ -133,7 +143,7 @@ def decoder_problem(config, batch: int, length: int, packed: bool, seed: int = 0
     params = layer.init(jax.random.key(seed), inputs["x"], **{k: inputs[k] for k in named})
     params = params["params"]
     cotangent = jnp.asarray(rng.normal(size=inputs["x"].shape), jnp.float32)
-    return _perturbed(params, seed), inputs, cotangent
+    return Problem(_perturbed(params, seed), inputs, cotangent)
 
 
 @functools.cache
@@ -196,7 +206,7 @@ def in_dtype(config, inputs, dtype: str):
     return dataclasses.replace(config, dtype=dtype), kind, inputs
 
 
-def case_problem(case: str):
+def case_problem(case: str) -> tuple[LongT5Config, Problem]:
     """(the XLA path's config, (params, inputs, cotangent)) of a case of `CASES`' form."""
     model, kind, length, batch, packed = parse_case(case)
     config = LongT5Config.preset(model, "local" if kind == "decoder" else kind)

@@ -8,7 +8,7 @@ its roofline (each kernel at peak FLOP/s or HBM bandwidth, whichever bounds it) 
 communication its schedule leaves exposed. The cost model assumes one MFU for every candidate,
 so it cannot see what the compiled programs differ in at long inputs: the HBM traffic of a
 remat policy and of a scan's copies of saved activations (base 16k x 2 on an H100, fused
-kernels, no remat: 236.2 GB a step scanned, 132.5 unrolled).
+kernels, no remat, scanned against unrolled: docs/journal.md).
 
 `--target a100-80gb | h100-80gb | h200-141gb | v100-32gb` (or a GpuTargetConfig file) compiles with
 XLA's GPU compiler for `--nodes x --gpus_per_node` compile-only GPUs (the `gpu` extra; no GPU
@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any, Literal
 
 from longt5_jax import cli
 from longt5_jax.errors import RunFault, UsageError
@@ -124,10 +125,10 @@ def _compile(
     estimate: Estimate,
     config: LongT5Config,
     lengths: tuple[int, int],
-    devices: list,
+    devices: list[Any],
     cluster: Cluster,
-    optimizer_name: str,
-) -> dict:
+    optimizer_name: Literal["adamw", "adafactor"],
+) -> dict[str, Any]:
     """Compile one candidate: its compiled memory, collectives, cost-model step time and, on
     a GPU, the program's roofline step time (the pipeline's idle iterations are in its kernels)."""
     c = estimate.candidate
@@ -158,13 +159,16 @@ def _compile(
     )
 
 
-def _seconds(row: dict) -> float:
+def _seconds(row: dict[str, Any]) -> float:
     """What the compiled candidates are ranked by: the roofline plus the exposed communication
     where the program is a GPU's, else the cost model with none of it hidden."""
-    return (row["roofline"] or row["time"]).total
+    time: cost.StepTime = row["roofline"] or row["time"]
+    return time.total
 
 
-def _print_compiled(rows: list[dict], cluster: Cluster, target: targets.Target, show: int) -> None:
+def _print_compiled(
+    rows: list[dict[str, Any]], cluster: Cluster, target: targets.Target, show: int
+) -> None:
     gib = 2**30
     print(
         f"\n{'#':>2} {'candidate':<{WIDTH}} {'GiB/dev':>8} {'est':>6} {'fits':>4} {'AR GB':>6} "
@@ -240,17 +244,18 @@ def _compile_best(
     args: argparse.Namespace,
     config: LongT5Config,
     cluster: Cluster,
-    devices: list,
+    devices: list[Any],
     ranked: list[Estimate],
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Compile up to --compile_top candidates in ranked order. After each compile the analytic
     memory is scaled by the worst compiled/analytic ratio seen so far for that layer form, and
     candidates that would then not fit are passed over: what the analytic model misses, it
     misses alike nearby. Per form, because the model is calibrated on scanned programs and
     XLA's unrolled ones hold more at large sizes (xl 16k on 8 x 4 A100s, ZeRO-3 save_attention:
-    39.6 GiB compiled against 17.3 estimated), so one unrolled compile says nothing of a
-    scanned twin."""
-    limit, scale, rows = cluster.memory_gib * 2**30, {}, []
+    docs/journal.md), so one unrolled compile says nothing of a scanned twin."""
+    limit = cluster.memory_gib * 2**30
+    scale: dict[bool, float] = {}
+    rows: list[dict[str, Any]] = []
     lengths = (args.input_length, args.target_length)
     queue = [e for e in ranked if e.memory <= limit] or ranked
     for e in queue:
@@ -275,7 +280,13 @@ def _compile_best(
     return rows
 
 
-def run(args: argparse.Namespace, config, cluster, target, devices: list) -> int:
+def run(
+    args: argparse.Namespace,
+    config: LongT5Config,
+    cluster: Cluster,
+    target: targets.Target,
+    devices: list[Any],
+) -> int:
     ranked = _ranked(args, config, cluster)
     if not ranked:
         raise RunFault("no candidate comes near fitting in memory")

@@ -13,14 +13,17 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from tqdm import tqdm
 
 from longt5_jax import cli
 from longt5_jax.data.batching import trim_with_eos
 from longt5_jax.data.sources import DataError
+from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.formats.native import resolve, saved_config
 from longt5_jax.infer.decode import DecodeConfig
@@ -106,7 +109,9 @@ def trained_input_length(gin_text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _encode(docs: list[tuple[str, str]], tokenizer, length: int, source: str) -> list:
+def _encode(
+    docs: list[tuple[str, str]], tokenizer: Tokenizer, length: int, source: str
+) -> list[npt.NDArray[Any]]:
     """Each document's ids, EOS-terminated, truncated (with a warning) to `length`."""
     ids = []
     for number, (doc_id, text) in enumerate(docs):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -24,7 +26,7 @@ from longt5_jax.estimate.flops import train_flops_per_step
 from longt5_jax.model import LongT5, count_params
 from longt5_jax.parallel.devices import check_dtype, cpu_devices
 from longt5_jax.parallel.mesh import make_mesh
-from longt5_jax.training import distributed, identity, loop, run_lock
+from longt5_jax.training import distributed, experiment, identity, loop, run_lock
 from longt5_jax.training.checkpoint import Checkpoints
 from longt5_jax.training.experiment import Experiment
 from longt5_jax.training.metrics import MetricsWriter, peak_flops
@@ -46,9 +48,9 @@ def _main(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     flags, argv = distributed.split_flags(argv)
     processes = distributed.detect(flags)
-    exp, given = configuration.from_args(argv, flags=("--print_config",))
+    exp, given = configuration.from_args(argv, Experiment, flags=("--print_config",))
     if "--print_config" in given:
-        print(configuration.operative_config() or exp.summary())
+        print(configuration.operative_config() or experiment.summary(exp))
         return 0
     environment.check_port_range(exp.run.prometheus_port)  # before any work, not at the end
     model_dir = Path(exp.run.model_dir)
@@ -90,10 +92,18 @@ def _parts(exp: Experiment) -> loop.Parts:
     evaluate = PeriodicEval(exp.eval, exp.data, exp.decode, tokenizer, step)
     evaluate.open(exp.run.train_steps)
     checkpoints = Checkpoints(Path(exp.run.model_dir), exp.ckpt, tokenizer.proto)
-    return loop.Parts(step, batches, checkpoints, evaluate, open_writer, config_text, pinned)
+    return loop.Parts(
+        step=step,
+        batches=batches,
+        checkpoints=checkpoints,
+        evaluate=evaluate,
+        open_writer=open_writer,
+        config_text=config_text,
+        identity=pinned,
+    )
 
 
-def _tokenizer(exp: Experiment) -> tuple[Tokenizer, dict]:
+def _tokenizer(exp: Experiment) -> tuple[Tokenizer, dict[str, Any]]:
     """The run's tokenizer, checked against the model, and the run's identity (tokenizer, model,
     objective), checked against the run it resumes."""
     tokenizer = load_tokenizer(exp.data)
@@ -139,7 +149,9 @@ def _run_info(exp: Experiment) -> dict[str, str]:
     }
 
 
-def _metrics_writer(exp: Experiment, exporter: PrometheusExporter | None, config_text: str):
+def _metrics_writer(
+    exp: Experiment, exporter: PrometheusExporter | None, config_text: str
+) -> Callable[[int], MetricsWriter]:
     """Opens, at the step the run starts from, the logs, TensorBoard (with the operative config
     and the hyperparameters), the Prometheus endpoint if any, and MFU where the devices' peak is
     known (from the model FLOPs of a step)."""
@@ -154,7 +166,7 @@ def _metrics_writer(exp: Experiment, exporter: PrometheusExporter | None, config
         peak_flops=peak_flops(jax.devices(), run.peak_flops_per_device),
         eval_split=exp.eval.split,
         config_text=config_text,
-        hparams=exp.hparams(),
+        hparams=experiment.hparams(exp),
     )
 
 

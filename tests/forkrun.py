@@ -4,8 +4,8 @@ command) is paid once, not per command, and each command still runs as `python -
 own process, `__main__`, file descriptors 1 and 2, exit status, atexit handlers). Nothing is
 initialised before the fork but imports (no jax backend, no thread of Python's).
 
-`start(commands, env, cwd)` starts every command at once and returns their
-`subprocess.CompletedProcess`es in order, as `subprocess.run` would give them.
+Run as `python tests/forkrun.py PLAN.json` by `helpers.run_forked`, which writes the plan (each
+command's argv and where its output goes) and reads the exit statuses this prints.
 """
 
 from __future__ import annotations
@@ -16,35 +16,9 @@ import importlib.util
 import json
 import os
 import runpy
-import subprocess
 import sys
-import tempfile
 import traceback
 from pathlib import Path
-
-
-def start(commands: list[list[str]], env: dict, cwd: Path, timeout: int = 300) -> list:
-    """Each command as `[sys.executable, "-m", module, *args]`."""
-    for c in commands:
-        assert c[:2] == [sys.executable, "-m"], c
-    with tempfile.TemporaryDirectory() as d:
-        plan = [
-            {"argv": c[2:], "out": f"{d}/{i}.out", "err": f"{d}/{i}.err"}
-            for i, c in enumerate(commands)
-        ]
-        Path(d, "plan.json").write_text(json.dumps(plan))
-        done = subprocess.run(
-            [sys.executable, __file__, f"{d}/plan.json"],
-            env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        codes = json.loads(done.stdout.strip().splitlines()[-1])
-        return [
-            subprocess.CompletedProcess(
-                c, rc, Path(p["out"]).read_text(), Path(p["err"]).read_text()
-            )
-            for c, p, rc in zip(commands, plan, codes, strict=True)
-        ]
 
 
 def _child(argv: list[str], out: str, err: str) -> None:

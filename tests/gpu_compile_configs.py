@@ -18,13 +18,11 @@ from longt5_jax.parallel.mesh import ParallelConfig
 
 targets.prepare_environment()
 
+from helpers import CLUSTER_SHAPE, CLUSTER_STEP  # noqa: E402
+
 from longt5_jax import configuration  # noqa: E402
 from longt5_jax.estimate import compile_ahead, hlo  # noqa: E402
 from longt5_jax.model import LongT5Config  # noqa: E402
-from longt5_jax.training.step import StepConfig  # noqa: E402
-
-SHAPE = (256, 64, 16)  # global batch (every pipeline plan and 2 microbatches divide it), lengths
-STEP = StepConfig(microbatches=2, grad_dtype="bfloat16")
 
 
 def main(paths: list[str]) -> int:
@@ -41,7 +39,9 @@ def main(paths: list[str]) -> int:
         configuration.parse([path], ["ParallelConfig.data = -1"])
         parallel = configuration.build(ParallelConfig)
         print(f"compiling {path}", file=sys.stderr, flush=True)
-        compiled = compile_ahead.compile_for(config, parallel, devices, 4, SHAPE, STEP)
+        compiled = compile_ahead.compile_for(
+            config, parallel, devices, 4, CLUSTER_SHAPE, CLUSTER_STEP
+        )
         mesh = compiled.step.mesh
         tensor_nodes = [  # the nodes of each tensor group's devices
             sorted({d.process_index for d in mesh.devices[i, :, j]})

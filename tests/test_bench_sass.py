@@ -123,7 +123,7 @@ def test_float32_kernels_spill_their_loops_on_an_a100_which_auto_avoids():
     """Why `attention_kernel="auto"` takes XLA's attention for float32 on compute capability 8.x
     (`kernels.backend.suits`): ptxas gives the A100's float32 dq 32 registers, and its loop over the
     side keys loads and stores spilled registers (bfloat16's on the A100 and float32's on an
-    H100 keep their loops in registers: `bench sass`, docs/benchmarks.md). If a ptxas stops
+    H100 keep their loops in registers: `bench sass`, docs/journal.md). If a ptxas stops
     spilling, this fails: revisit `suits`."""
     if shutil.which("nvdisasm") is None:
         pytest.skip("nvdisasm is not on PATH (.ci/run installs it beside the environment)")

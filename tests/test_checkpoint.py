@@ -17,8 +17,15 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 import transformers
-from reference import logits, padded_batch
-from test_train import SCHEDULE_STEPS, TINY_RUN, child_env, train_command
+from helpers import (
+    SCHEDULE_STEPS,
+    TINY_RUN,
+    Position,
+    child_env,
+    logits,
+    padded_batch,
+    train_command,
+)
 
 from longt5_jax import train
 from longt5_jax.ckpt import commands
@@ -390,29 +397,16 @@ def test_conversions_never_overwrite_and_reject_bad_sources(run, tmp_path, capsy
     )
 
 
-class _Position:
-    """A data stream's position and nothing else: what a checkpoint saves of it."""
-
-    def __init__(self, at=0):
-        self.at = at
-
-    def state(self):
-        return {"batch_size": 1, "next": [self.at]}
-
-    def restore(self, state):
-        (self.at,) = state["next"]
-
-
 _KILLED_SAVE = """
 import os, signal, sys
 import jax.numpy as jnp, numpy as np
-from test_checkpoint import _Position
+from helpers import Position
 from longt5_jax.training.checkpoint import CheckpointConfig, Checkpoints
 saves = Checkpoints(sys.argv[1], CheckpointConfig(save_every=1))
 w = jnp.asarray(np.random.default_rng(0).standard_normal((16, 1024, 1024), np.float32))
-saves.save(1, {"w": w}, _Position(1), {"gin": "", "model": {}})
+saves.save(1, {"w": w}, Position(1), {"gin": "", "model": {}})
 saves.manager.wait_until_finished()
-saves.save(2, {"w": w + 1}, _Position(2), {"gin": "", "model": {}})  # returns while it writes
+saves.save(2, {"w": w + 1}, Position(2), {"gin": "", "model": {}})  # returns while it writes
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -428,7 +422,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(tmp_path, ca
     assert resolve(tmp_path) == tmp_path / "checkpoints" / "1"
     saves = Checkpoints(tmp_path, CheckpointConfig(save_every=1))
     assert saves.latest_step() == 1
-    data = _Position()
+    data = Position()
     target = {"w": jax.ShapeDtypeStruct((16, 1024, 1024), np.float32)}
     w = saves.restore(1, target, data)["w"]
     expected = np.random.default_rng(0).standard_normal((16, 1024, 1024), np.float32)

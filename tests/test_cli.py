@@ -2,8 +2,8 @@
 process of its own and must end with one line on stderr naming the culprit, exit 2, no
 traceback, and every file that existed before exactly as it was.
 
-The commands start together, forked from one process that imported them (`forkrun`: each is
-mostly Python and jax start-up), so the whole table costs about as much as its slowest case.
+The commands start together, forked from one process that imported them (`run_forked`: each
+is mostly Python and jax start-up), so the whole table costs about as much as its slowest case.
 """
 
 import hashlib
@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import forkrun
 import pytest
+from helpers import TINY_RUN, child_env, run_forked
 
-from longt5_jax.bench import __main__ as bench_main
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +39,15 @@ def _train(*args: str) -> list[str]:
 # name: (command line with {d} for the case's directory, what the one line must name)
 CASES = {
     "mistyped data glob": (
-        _train(*FILES, "--gin.DataConfig.train_files='{d}/data/trian-*.jsonl'"),
+        _train(
+            *FILES, "--gin.DataConfig.train_files=['{d}/data/docs.jsonl', '{d}/data/trian-*.jsonl']"
+        ),
         "no files match '{d}/data/trian-*.jsonl'",
+    ),
+    "data files as one comma-joined string": (
+        _train(*FILES, "--gin.DataConfig.train_files='{d}/data/docs.jsonl,{d}/data/empty.jsonl'"),
+        "DataConfig.train_files = '{d}/data/docs.jsonl,{d}/data/empty.jsonl': expected a list of "
+        "str: write ['{d}/data/docs.jsonl', '{d}/data/empty.jsonl']",
     ),
     "malformed JSONL": (
         _train(*FILES, "--gin.DataConfig.train_files='{d}/data/malformed.jsonl'"),
@@ -155,7 +161,7 @@ def outcomes(tmp_path_factory, cache):
         d = tmp_path_factory.mktemp(f"case{i}")
         _prepare(d)
         cases[name] = (d, [sys.executable, *(a.format(d=d) for a in argv)], _snapshot(d))
-    done = forkrun.start([c for _, c, _ in cases.values()], env, ROOT)
+    done = run_forked([c for _, c, _ in cases.values()], env, ROOT)
     return {
         name: (d, proc.returncode, proc.stdout, proc.stderr, before, _snapshot(d))
         for (name, (d, _, before)), proc in zip(cases.items(), done, strict=True)
@@ -185,8 +191,6 @@ def test_data_preview_needs_no_model_dir(cache):
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory, cache):
     """A one-step run of the demo at test sizes, its last step saved."""
-    from test_train import TINY_RUN
-
     from longt5_jax import train
 
     run = tmp_path_factory.mktemp("short") / "run"
@@ -234,34 +238,6 @@ def test_a_damaged_checkpoint_is_one_line_without_orbax_noise(short_run, cache, 
     assert proc.returncode == 2 and _snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("name", sorted(bench_main.BENCHMARKS))
-def test_every_benchmark_refuses_an_output_directory_before_any_work(name, tmp_path, capsys):
-    """A file as --out_dir, or a directory under a file: one line before anything runs (the
-    report would otherwise fail to be written after minutes of measuring)."""
-    blocker = tmp_path / "report.json"
-    blocker.write_text("{}")
-    for out, why in (
-        (blocker, f"{blocker} exists and is not a directory"),
-        (blocker / "sub", f"{blocker}/sub cannot be made: {blocker} is not a writable directory"),
-    ):
-        assert bench_main.main([name, "--out_dir", str(out)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1, err
-        assert err[0].startswith(f"error: python -m longt5_jax.bench {name}: argument --out_dir: ")
-        assert why in err[0]
-    assert blocker.read_text() == "{}"
-
-
-@pytest.mark.parametrize("name", ["device", "pipeline", "strategy"])
-def test_a_benchmark_with_no_timed_steps_is_refused_before_any_work(name, capsys):
-    assert bench_main.main([name, "--steps", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [
-        f"error: python -m longt5_jax.bench {name}: argument --steps: expected an integer >= 1, "
-        "got 0 (see --help)"
-    ]
-
-
 # The start-up's environment checks (longt5_jax/environment.py), each in a process of its own
 # environment: name: (the variables set, what the one line must name)
 ENVIRONMENT = {
@@ -280,9 +256,7 @@ ENVIRONMENT = {
 def test_the_environment_is_checked_at_start_up_in_one_line(name, cache, tmp_path):
     variables, line = ENVIRONMENT[name]
     env = {**os.environ, "LONGT5_JAX_CACHE": str(cache), **variables}
-    (done,) = forkrun.start(
-        [[sys.executable, *(a.format(d=tmp_path) for a in _train())]], env, ROOT
-    )
+    (done,) = run_forked([[sys.executable, *(a.format(d=tmp_path) for a in _train())]], env, ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), done.stderr
@@ -306,8 +280,6 @@ def _read_only(d: Path) -> None:
 def test_an_unusable_cache_variable_costs_the_cache_not_the_run(cache, tmp_path):
     """LONGT5_JAX_CACHE a file, JAX_COMPILATION_CACHE_DIR a read-only directory: the run
     trains without them, one warning naming each variable."""
-    from test_train import TINY_RUN, child_env
-
     (tmp_path / "file").write_text("")
     locked = tmp_path / "locked"
     locked.mkdir()

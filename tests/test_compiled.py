@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import zero_expected
 
 from longt5_jax.estimate import compile_ahead as aot
 from longt5_jax.estimate import flops, hlo
@@ -22,23 +23,6 @@ from longt5_jax.parallel.mesh import ParallelConfig
 
 CONFIG = LongT5Config.preset("tiny", "local", d_model=64, d_ff=256, d_kv=16)
 SHAPE = (16, 64, 16)  # batch, input length, target length
-
-
-def zero_expected(step, stage: int, cpu: bool) -> dict:
-    """The analytic ZeRO volumes of a data-parallel step over its mesh's devices: from its
-    float32 gradient bytes and the bytes of the weights with an `embed` axis (those ZeRO splits)."""
-    params = step.abstract_state.params
-    grad = sum(4 * int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    boxed = abstract_params(step.model)
-    specs = jax.tree.leaves(
-        nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-    )
-    split = sum(
-        4 * int(np.prod(x.shape))
-        for x, s in zip(jax.tree.leaves(params), specs, strict=True)
-        if "embed" in tuple(s)
-    )
-    return hlo.zero_volumes(stage, grad, split, step.mesh.devices.size, cpu=cpu)
 
 
 def _measured(zero_stage: int) -> tuple[dict, dict, hlo.Memory]:

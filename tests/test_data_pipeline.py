@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from longt5_jax import configuration
-from longt5_jax.data import batching, preview
+from longt5_jax import data_preview as preview
+from longt5_jax.data import batching
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer, make_dataset, open_split
 from longt5_jax.data.sources import DataError
 from longt5_jax.data.tokenizer import EOS_ID, Tokenizer, train_tokenizer

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from reference import padded_batch, random_params, torch_model
+from helpers import padded_batch, random_params, torch_model
 
 from longt5_jax.infer.decode import (
     DecodeConfig,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_long_attention_kernel import TOLERANCE
+from helpers import TOLERANCE
 
 from longt5_jax import kernel_checks
 from longt5_jax.estimate import targets

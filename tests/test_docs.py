@@ -43,6 +43,7 @@ SEPARATORS = {"&&", "||", ";", "|"}
 # options (`XLA_FLAGS=... srun --ntasks=2 python -m ...`).
 LEADING = re.compile(r"^(\w+=.*|-.*|\d+|srun|mpirun|env|time|nohup|exec|timeout|numactl)$")
 QUICK = {"--help", "-h", "--print_config"}
+MEASURED_BY = re.compile(r"^Measured by `(?P<command>[^`]+)`", re.MULTILINE)
 SCRIPT = re.compile(r"^\s*(\w+=\S*\s+)*(bash|sh|sbatch)\s")
 
 
@@ -89,10 +90,16 @@ def commands_in(line: str) -> list[tuple[str, list[str]]]:
 
 
 def page_commands(page: Path) -> list[Command]:
+    """The commands of a page's shell blocks, and of each results table's `Measured by` line
+    (what reran it must still parse)."""
     name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    text = page.read_text()
+    measured = [
+        (text.count("\n", 0, m.start()) + 1, m["command"]) for m in MEASURED_BY.finditer(text)
+    ]
     return [
         Command(f"{name}:{number}", module, argv)
-        for number, line in shell_lines(page.read_text())
+        for number, line in shell_lines(text) + measured
         if "longt5_jax" in line and "-m" in line
         for module, argv in commands_in(line)
     ]
@@ -138,8 +145,8 @@ def stop_when_parsed():
 
         return parse
 
-    def from_args(argv, sections=tuple(configuration.SECTIONS), **kwargs):
-        raise Parsed(list(argv), sections=tuple(sections), **kwargs)
+    def from_args(argv, sections=None, **kwargs):
+        raise Parsed(list(argv), sections=sections, **kwargs)
 
     def parse(*args, **kwargs):  # reached past from_args: stop before any work all the same
         raise Parsed(error="it parses gin outside configuration.from_args")
@@ -222,7 +229,7 @@ def binding_error(binding: str) -> str | None:
 
 def check_gin(argv, elided=False, sections=None, flags=(), preset=(), file_required=""):
     """Gin arguments parsed as `configuration.from_args` parses them, and the `sections` built
-    (None: those the arguments bind). None, or what is wrong."""
+    (a command's record of sections; None: those the arguments bind). None, or what is wrong."""
     files, bindings, rest = configuration.split_gin_args(argv)
     errors = [f"unknown argument {a}" for a in rest if a not in flags]
     errors += [file_required] if file_required and not files else []
@@ -231,10 +238,12 @@ def check_gin(argv, elided=False, sections=None, flags=(), preset=(), file_requi
         return errors[0] if errors else None  # a run's own config.gin: binding names checked
     try:
         configuration.parse(files, [*preset, *bindings])
-        if sections is None:
-            sections = [n for n, c in configuration.SECTIONS.items() if gin.get_bindings(c)]
-        for name in sections:
-            configuration.build(configuration.SECTIONS[name])
+        classes = configuration.SECTIONS.values()
+        if sections is not None:
+            classes = configuration.section_types(sections).values()
+        for cls in classes:
+            if sections is not None or gin.get_bindings(cls):
+                configuration.build(cls)
     except configuration.ConfigError as e:
         if elided and "is required" in str(e):
             return None  # the value is among the arguments the page left out
@@ -370,7 +379,7 @@ BROKEN = {
     "an ill-typed value": "train --gin_file=configs/demo.gin --gin.MODEL_DIR=1",
     "no MODEL_DIR": "train --gin_file=configs/demo.gin",
     "beside a run's config": "evaluate --gin_file=/r/c.gin --checkpoint=/r --gin.DecodeConfig.b=4",
-    "an ill-typed preview": "data.preview --gin_file=configs/demo.gin --gin.DataConfig.pack=1",
+    "an ill-typed preview": "data_preview --gin_file=configs/demo.gin --gin.DataConfig.pack=1",
 }
 
 
@@ -390,10 +399,17 @@ def test_a_command_is_stopped_before_its_work_in_any_case():
     real_from_args = configuration.from_args
 
     def past_from_args(argv):  # bound before the checker could patch it
-        real_from_args(argv)
+        real_from_args(argv, configuration.Experiment)
         raise AssertionError("the work ran")
 
     argv = ["--gin_file=configs/demo.gin", "--gin.MODEL_DIR='/tmp/x'"]
     outcome = run_until_parsed(past_from_args, argv)
     assert isinstance(outcome, Parsed) and "outside configuration.from_args" in outcome.error
     assert run_until_parsed(lambda argv: 0, []) == "it ran without parsing"
+
+
+def test_the_readme_measures_in_a_few_lines_and_points_to_the_results():
+    readme = (ROOT / "README.md").read_text()
+    measured = readme.split("## Measured\n", 1)[1].split("\n## ", 1)[0]
+    assert len(measured.strip().splitlines()) <= 25
+    assert "(docs/benchmarks.md)" in measured and "(docs/journal.md)" in measured

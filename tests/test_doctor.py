@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_train import child_env
+from helpers import child_env
 
 from longt5_jax.data.pipeline import DataConfig, load_tokenizer
 from longt5_jax.doctor import __main__ as doctor
@@ -89,7 +89,7 @@ def test_each_problem_is_a_failing_row_with_its_fix(tmp_path, monkeypatch, capsy
         f"--gin.RunConfig.prometheus_port={taken.getsockname()[1]}",
         f"--gin.DataConfig.tokenizer='{tokenizer}'",
         "--gin.DataConfig.task='files'",
-        f"--gin.DataConfig.train_files='{tmp_path / 'missing.jsonl'}'",
+        f"--gin.DataConfig.train_files=['{tmp_path / 'missing.jsonl'}']",
         "--json",
     ]
     try:

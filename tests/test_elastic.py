@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 import pytest
-from test_multihost import _losses, launch_local
-from test_train import TINY_RUN
+from helpers import TINY_RUN, launch_local
+from helpers import losses_of as _losses
 
 from longt5_jax import train
 from longt5_jax.data.aclsum import aclsum_source

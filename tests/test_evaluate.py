@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from test_train import TINY_RUN
+from helpers import TINY_RUN
 
 from longt5_jax import evaluate, predict, train
 from longt5_jax.data.aclsum import aclsum_source

@@ -1,7 +1,7 @@
 """Faults a run meets, each ending in one line with what was saved kept: a full disk during a
 save or under the logs, a signal at any moment (start-up and the first compile included; a
 closed terminal's SIGHUP as SLURM's SIGTERM), the data running out, bad gin files, another
-model's parameters, and contradictions and bad numbers on the other commands' command lines.
+model's parameters, and a command line the checkpoint it names contradicts.
 
 Signals at a chosen moment are raised by the process itself (deterministic, in this process);
 the full disk and a signal at a moment the clock picks run as a user runs them, in processes of
@@ -19,12 +19,19 @@ import uuid
 from pathlib import Path
 
 import pytest
-from reference import random_params
-from test_safety import STEPS, _run, _snapshot, _start, _until
-from test_train import TINY_RUN, child_env, train_command
+from helpers import (
+    NO_EVAL,
+    TINY_RUN,
+    child_env,
+    random_params,
+    read_until,
+    run_process,
+    snapshot,
+    start_process,
+    train_command,
+)
 
 from longt5_jax import configuration, train
-from longt5_jax.bench.__main__ import main as bench_main
 from longt5_jax.ckpt.convert import write_native
 from longt5_jax.model import LongT5Config
 from longt5_jax.training.periodic_eval import PeriodicEval
@@ -56,7 +63,7 @@ def _raise_before(monkeypatch, cls, name: str, *signals: int) -> None:
 
 
 def _tiny(model_dir: Path, *extra: str) -> list[str]:
-    return [*TINY_RUN, *STEPS, *extra, f"--gin.MODEL_DIR='{model_dir}'"]
+    return [*TINY_RUN, *NO_EVAL, *extra, f"--gin.MODEL_DIR='{model_dir}'"]
 
 
 def test_a_signal_during_start_up_ends_cleanly_and_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -136,8 +143,8 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_a_rerun_resumes(small_d
     the partial save gone, the checkpoint before it untouched; with space back, the same
     command resumes from that checkpoint and finishes."""
     run = small_disk / "run"
-    command = train_command(run, *STEPS, "--gin.CheckpointConfig.save_every=2")
-    failed = _run(command, env)
+    command = train_command(run, *NO_EVAL, "--gin.CheckpointConfig.save_every=2")
+    failed = run_process(command, env)
     lines = failed.stderr.strip().splitlines()
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert len(lines) == 1, failed.stderr[-3000:]
@@ -147,7 +154,7 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_a_rerun_resumes(small_d
     assert kept and all(name.isdigit() for name in kept), kept  # no partial save left
     assert all((run / "checkpoints" / k / "commit_success.txt").is_file() for k in kept)
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
-    again = _run(command, env)
+    again = run_process(command, env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from step {kept[-1]} " in again.stdout  # the checkpoint before is whole
     assert _steps(run)[-1] == 4 and (run / "checkpoints" / "4" / "state").is_dir()
@@ -158,7 +165,7 @@ def test_a_signal_at_a_moment_the_clock_picks_ends_cleanly(tmp_path, env):
     """SIGTERM to a real run as soon as it holds MODEL_DIR (start-up, then the first compile):
     exit 0 and either nothing written or the first step saved, never anything in between."""
     run = tmp_path / "run"
-    proc = _start(train_command(run, *STEPS), env)
+    proc = start_process(train_command(run, *NO_EVAL), env)
     try:
         while proc.poll() is None and not (run / "train.lock").exists():
             time.sleep(0.01)
@@ -179,9 +186,9 @@ def test_a_closed_terminal_saves_the_step_and_exits_0(tmp_path, env):
     """SIGHUP to a real run (its terminal closed, its ssh session dropped) mid-training: the
     step in flight is saved, exit 0, and the same command resumes from it."""
     run = tmp_path / "run"
-    proc = _start(train_command(run, *STEPS, "--gin.RunConfig.train_steps=400"), env)
+    proc = start_process(train_command(run, *NO_EVAL, "--gin.RunConfig.train_steps=400"), env)
     try:
-        _until(proc, "step      2/400")
+        read_until(proc, "step      2/400")
         proc.send_signal(signal.SIGHUP)
         out, err = proc.communicate(timeout=300)
     finally:
@@ -223,10 +230,10 @@ def test_a_full_disk_under_the_logs_saves_the_step_in_one_line(small_disk, tmp_p
             (tmp_path / name).mkdir()
             (run / name).symlink_to(tmp_path / name)
         path = run / "metrics.jsonl"
-    command = train_command(run, *STEPS, "--gin.RunConfig.train_steps=400")
-    proc = _start(command, env)
+    command = train_command(run, *NO_EVAL, "--gin.RunConfig.train_steps=400")
+    proc = start_process(command, env)
     try:
-        _until(proc, "step      2/400")
+        read_until(proc, "step      2/400")
         _fill(small_disk)
         out, err = proc.communicate(timeout=300)
     finally:
@@ -242,7 +249,9 @@ def test_a_full_disk_under_the_logs_saves_the_step_in_one_line(small_disk, tmp_p
     if log == "tensorboard":  # every step trained is logged up to the one saved
         assert _steps(run) == list(range(1, saved + 1))
     (small_disk / "filler").unlink()
-    again = _run([*command[:-2], f"--gin.RunConfig.train_steps={saved + 1}", command[-1]], env)
+    again = run_process(
+        [*command[:-2], f"--gin.RunConfig.train_steps={saved + 1}", command[-1]], env
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from step {saved} " in again.stdout
     assert _steps(run)[-1] == saved + 1
@@ -272,7 +281,7 @@ def test_a_missing_gin_include_is_our_one_line_only(tmp_path, env):
     """gin logs 'ERROR:root:Path not found' before raising; only our line is printed."""
     (tmp_path / "missing.gin").write_text(BAD_GIN["missing.gin"].format(tmp=tmp_path))
     command = [sys.executable, "-m", "longt5_jax.train", f"--gin_file={tmp_path}/missing.gin"]
-    done = _run(command, env)
+    done = run_process(command, env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"error: Unable to open file: {tmp_path}/absent.gin. ")
     assert [p.name for p in tmp_path.iterdir()] == ["missing.gin"]
@@ -307,9 +316,9 @@ def test_evaluate_refuses_a_model_binding_the_checkpoint_contradicts(tmp_path, e
     the binding and the checkpoint's value, exit 2, nothing written."""
     config = _tiny_config()
     write_native(tmp_path / "ckpt", config, random_params(config), "test")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     tiny = [a for a in TINY_RUN if a.startswith(("--gin_file", "--gin.LongT5Config"))]
-    done = _run(
+    done = run_process(
         [sys.executable, "-m", "longt5_jax.evaluate", *tiny, f"--checkpoint={tmp_path / 'ckpt'}",
          "--gin.LongT5Config.d_model=32"],
         env,
@@ -319,41 +328,4 @@ def test_evaluate_refuses_a_model_binding_the_checkpoint_contradicts(tmp_path, e
         f"error: LongT5Config.d_model = 32 contradicts --checkpoint={tmp_path}/ckpt/checkpoints/0"
         ", whose d_model is 64: "
     ), done.stderr
-    assert _snapshot(tmp_path) == before
-
-
-def test_bench_speed_refuses_a_negative_batch_in_one_line(tmp_path, env):
-    """`bench speed --batch_size=-2` (an IndexError traceback once): one line, exit 2, before
-    any work."""
-    command = [sys.executable, "-m", "longt5_jax.bench", "speed", "--batch_size=-2"]
-    done = _run([*command, f"--out_dir={tmp_path}"], env)
-    assert (done.returncode, done.stderr) == (
-        2,
-        "error: python -m longt5_jax.bench speed: argument --batch_size: expected an integer "
-        ">= 1, got -2 (see --help)\n",
-    )
-    assert not list(tmp_path.iterdir())
-
-
-@pytest.mark.parametrize(
-    "args,line",
-    [
-        (
-            ["speed", "--settle_steps=-1"],
-            "speed: argument --settle_steps: expected an integer >= 0",
-        ),
-        (["decode", "--beams", "0"], "decode: argument --beams: expected an integer >= 1, got 0"),
-        (["offload", "--zero", "4"], "offload: argument --zero: invalid choice: 4"),
-        (["cluster", "--batch_size=0"], "cluster: argument --batch_size: expected an integer >= 1"),
-        (["strategy", "--efficiency=1.5"], "strategy: argument --efficiency: expected a number in"),
-        (["cluster", "--nodes=0"], "cluster: argument --nodes: expected an integer >= 1, got 0"),
-        (["memory", "--gpus_per_node=x"], "memory: argument --gpus_per_node: expected an integer"),
-    ],
-)
-def test_a_benchmark_refuses_a_bad_number_in_one_line(tmp_path, capsys, args, line):
-    """A negative step count, a beam count of 0, a ZeRO stage that does not exist, an
-    efficiency over 1: one line naming the flag, exit 2, before any work."""
-    assert bench_main([*args, f"--out_dir={tmp_path}"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: python -m longt5_jax.bench {line}") and err.count("\n") == 1
-    assert not list(tmp_path.iterdir())
+    assert snapshot(tmp_path) == before

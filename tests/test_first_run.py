@@ -20,8 +20,7 @@ import pytest
 import safetensors
 import torch
 import transformers
-from test_prometheus import free_ports, http_get, promtool_lint
-from test_train import child_env
+from helpers import child_env, free_ports, http_get, promtool_lint
 
 from longt5_jax.data.aclsum import aclsum_source
 from longt5_jax.data.tokenizer import UNK_ID, Tokenizer

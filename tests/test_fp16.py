@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_checkpoint import _Position
-from test_step import _batches
+from helpers import TINY_RUN, Position, tiny_batches
 
 from longt5_jax import configuration
 from longt5_jax.model import LongT5, LongT5Config
@@ -53,7 +52,7 @@ def _step(
 
 @pytest.fixture(scope="module")
 def batches():
-    return _batches(STEPS, rows=16, length=64, target_length=16)
+    return tiny_batches(STEPS, rows=16, length=64, target_length=16)
 
 
 @pytest.fixture(scope="module")
@@ -200,12 +199,12 @@ def test_the_scale_survives_a_checkpoint_and_a_resume_on_another_mesh(float16, b
         loss_scale=LossScale(jnp.float32(2.0**11), jnp.int32(7), jnp.int32(3))
     )  # a history to carry: 3 steps skipped so far, 7 good ones since the last change
     saves = Checkpoints(tmp_path, CheckpointConfig(save_every=1))
-    saves.save(1, state, _Position(1), {"gin": "", "model": {}})
+    saves.save(1, state, Position(1), {"gin": "", "model": {}})
     saves.close()
     parallel, _ = LAYOUTS["dp2 x tp2 x pp2"]
     other = _step("float16", parallel)
     restored = Checkpoints(tmp_path, CheckpointConfig()).restore(
-        1, other.abstract_state, _Position()
+        1, other.abstract_state, Position()
     )
     assert jax.tree.map(float, restored.loss_scale) == jax.tree.map(float, state.loss_scale)
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(restored), _leaves(state), strict=True))
@@ -219,8 +218,6 @@ def test_the_scale_survives_a_checkpoint_and_a_resume_on_another_mesh(float16, b
 
 @pytest.mark.slow
 def test_a_float16_run_logs_its_scale_and_skipped_steps(tmp_path, capsys):
-    from test_train import TINY_RUN
-
     from longt5_jax import train
 
     args = [

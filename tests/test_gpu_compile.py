@@ -21,10 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import optax
 import pytest
-from test_compiled import zero_expected
+from helpers import CLUSTER_SHAPE, CLUSTER_STEP, zero_expected
 
 from longt5_jax import configuration
 from longt5_jax.estimate import comm_model, compile_ahead, cost, hlo, hlo_module, targets
@@ -117,8 +116,6 @@ def test_every_shipped_parallel_config_compiles_for_the_a100_cluster(tmp_path):
 def _assert_placed_and_modelled(rows: list[dict], dtype: str) -> None:
     """Each compiled config's tensor groups inside a node, and each collective kind carrying at
     least 5% of the bytes within 15% of the analytic model."""
-    import gpu_compile_configs as script
-
     shapes = ModelShapes.of(
         LongT5Config.preset(
             "tiny", "tglobal", dtype=dtype, remat="full", num_encoder_layers=4,
@@ -130,7 +127,7 @@ def _assert_placed_and_modelled(rows: list[dict], dtype: str) -> None:
         assert all(len(nodes) == 1 for nodes in row["tensor_nodes"]), row["path"]
         configuration.parse([row["path"]], ["ParallelConfig.data = -1"])
         parallel = configuration.build(ParallelConfig)
-        layout = comm_model.Layout.of(parallel, 32, script.STEP, script.SHAPE)
+        layout = comm_model.Layout.of(parallel, 32, CLUSTER_STEP, CLUSTER_SHAPE)
         want = comm_model.by_kind(comm_model.volumes(shapes, layout))
         for kind, (got, model, ratio) in comm_model.compare(row["bytes"], want).items():
             assert ratio is not None and 1 / 1.15 <= ratio <= 1.15, (row["path"], kind, got, model)
@@ -258,125 +255,6 @@ def test_a_pipeline_moves_little_more_than_without(a100):
         op for op in piped.collectives if op.in_loop and "data" in piped.placement.axes(op)
     ]
     assert not data_in_loops
-
-
-@pytest.mark.slow
-def test_bench_cluster_writes_the_table_json_and_plot(tmp_path, capsys):
-    """Table 1's three strategies for the tiny model on the A100 cluster: every row compiled,
-    its bytes within 15% of the analytic model, its bounds ordered (no overlap <= as scheduled
-    <= full overlap <= the ceiling), the paper's figures beside it."""
-    from longt5_jax.bench import cluster
-
-    argv = ["--rows", "tiny:512", "--batch_size", "128", "--target_length", "64"]
-    assert cluster.main([*argv, "--pipeline_microbatches", "4", "--out_dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "compiled for a100-80gb" in out and "/model" in out
-    report = json.loads((tmp_path / "cluster.json").read_text())
-    assert (tmp_path / "cluster.png").stat().st_size > 0
-    assert [r["strategy"] for r in report["rows"]] == ["DP+ZeRO-2", "TP+DP", "TP+PP+DP"]
-    for r in report["rows"]:
-        got = sum(r["collectives"]["kind"].values())
-        assert 1 / 1.15 <= got / sum(r["comm_model_bytes"].values()) <= 1.15, r["strategy"]
-        s = r["samples_per_s"]
-        assert s["roofline_no_overlap"] <= s["roofline_as_scheduled"] <= s["roofline_full_overlap"]
-        assert (
-            s["mfu_no_overlap"] <= s["mfu_full_overlap"]
-            and s["roofline_full_overlap"] <= (s["ceiling"])
-        )
-        assert 0 < r["memory_fraction"] < 1 and r["paper"]["samples_per_s"] in (790, 1080, 1410)
-    # 4 microbatches of 96 rows cannot each split over 32 GPUs: one line, before compiling.
-    bad = ["--rows", "tiny:512", "--batch_size", "96", "--out_dir", str(tmp_path)]
-    assert cluster.main(bad) == 2
-    assert "batch_size=96 is not divisible by the data axis (32) x StepConfig.microbatches (4)" in (
-        capsys.readouterr().err
-    )
-
-
-@pytest.mark.slow
-def test_bench_scaling_compiles_each_point_and_reports_efficiency(tmp_path, capsys):
-    """Weak and strong scaling of one strategy from 1 to 2 nodes: three compiles (the first node
-    count's batch is both scalings'), the weak batch growing with the GPUs, efficiency 1 at the
-    first node count and samples/s per GPU against it elsewhere."""
-    from longt5_jax.bench import scaling
-
-    argv = ["--rows", "tiny:512", "--nodes", "2", "1", "--strategies", "DP+ZeRO-2"]
-    argv += ["--batch_size", "64", "--target_length", "64", "--out_dir", str(tmp_path)]
-    assert scaling.main(argv) == 0
-    assert capsys.readouterr().err.count("compiling") == 3
-    points = json.loads((tmp_path / "scaling.json").read_text())["points"]
-    assert (tmp_path / "scaling.png").stat().st_size > 0
-    got = [(p["scaling"], p["gpus"], p["batch_size"]) for p in points]
-    assert got == [("weak", 4, 64), ("weak", 8, 128), ("strong", 4, 64), ("strong", 8, 64)]
-    for p in points:
-        first = next(q for q in points if q["scaling"] == p["scaling"] and q["gpus"] == 4)
-        for bound, e in p["efficiency"].items():
-            per_gpu = p["samples_per_s"][bound] / p["gpus"]
-            assert e == pytest.approx(per_gpu / (first["samples_per_s"][bound] / 4))
-        if p["gpus"] == 4:
-            assert set(p["efficiency"].values()) == {1.0}
-    assert scaling.main([*argv, "--nodes", "0"]) == 2
-    assert "argument --nodes: expected an integer >= 1, got 0" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "kernel, policies",
-    [("xla", ["full", "save_dots"]), ("pallas", ["fused save_attention", "fused save_dots"])],
-)
-def test_bench_memory_sets_the_estimate_beside_the_compile_and_refits(
-    kernel, policies, tmp_path, capsys
-):
-    """Two tiny layouts compiled for the A100 cluster, with XLA's attention and the fused
-    kernels: each row's compiled memory beside the estimate of its calibration row, and the
-    refit's worst error no larger than the shipped calibration's (it is the smallest worst
-    error there is)."""
-    from longt5_jax.bench import memory
-
-    remat = "save_attention" if kernel == "pallas" else "full"
-    grid = f"tiny:512:128=32,1,1,2,0,1,{remat};8,4,1,1,0,1,save_dots"
-    argv = ["--grid", grid, "--target_length", "64", "--fit", "--out_dir", str(tmp_path)]
-    assert memory.main([*argv, "--attention_kernel", kernel]) == 0
-    report = json.loads((tmp_path / "memory.json").read_text())
-    assert (tmp_path / "memory.png").stat().st_size > 0 and len(report["rows"]) == 2
-    assert [r["activations"]["policy"] for r in report["rows"]] == policies
-
-    def worst(name):
-        return max(abs(r[f"estimate_{name}"] / r["compiled"] - 1) for r in report["rows"])
-
-    assert all(r["compiled"] > 0 for r in report["rows"])
-    assert worst("refit") <= worst("estimate") + 1e-9
-    capsys.readouterr()
-    assert memory.main(["--target", "cpu", "--out_dir", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "error: --target: the calibration is against a GPU compile"
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "kernel, key, row",
-    [
-        ("xla", "base:4096:128", "16,1,2,0,4,2,full"),
-        ("pallas", "base:4096:128", "8,4,1,1,0,1,save_attention"),
-    ],
-)
-def test_the_shipped_calibration_holds_on_its_grid(kernel, key, row, tmp_path, capsys):
-    """A row of each calibration grid, compiled now, is within the worst error of the fit that
-    `memory_model.CALIBRATION` holds: a change to what the step keeps that the model does not
-    follow fails here rather than in a planner's advice (the circular pipeline's row had
-    drifted to 20.7% when the model still counted copies the step no longer made)."""
-    from longt5_jax.bench import memory
-    from longt5_jax.estimate import memory_model
-
-    if jax.__version__ != memory_model.CALIBRATED_ON:  # another compiler's program, not the fit's
-        pytest.skip(f"the calibration is of jax {memory_model.CALIBRATED_ON}'s compile")
-    assert row in (memory.FUSED_GRID if kernel == "pallas" else memory.GRID)[key]
-    argv = ["--grid", f"{key}={row}", "--attention_kernel", kernel, "--out_dir", str(tmp_path)]
-    assert memory.main(argv) == 0
-    capsys.readouterr()
-    (found,) = json.loads((tmp_path / "memory.json").read_text())["rows"]
-    error = found["estimate_estimate"] / found["compiled"] - 1
-    assert abs(error) <= memory_model.WORST_ERROR[kernel], (found["candidate"], error)
 
 
 def _gemm_inputs(executable) -> collections.Counter:

@@ -9,7 +9,7 @@ import pytest
 import safetensors
 import torch
 import transformers
-from reference import logits, padded_batch, random_params, torch_model
+from helpers import logits, padded_batch, random_params, torch_model
 
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5Config

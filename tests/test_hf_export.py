@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import transformers
-from reference import random_params
+from helpers import random_params
 
 from longt5_jax import predict
 from longt5_jax.ckpt.__main__ import main as ckpt

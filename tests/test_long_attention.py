@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from reference import max_rel
+from helpers import max_rel
 from transformers.models.longt5 import modeling_longt5 as hf_longt5
 
 from longt5_jax.model import LongT5Config, relpos

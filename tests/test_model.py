@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import max_rel, padded_batch, random_params
 from jax.sharding import Mesh, PartitionSpec
-from reference import max_rel, padded_batch, random_params
 
 from longt5_jax.model import LongT5, LongT5Config, count_params
 from longt5_jax.model.layers import Dropout, Projection, Rows, normal

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import TINY_RUN, child_env
+from helpers import LAUNCHED_RUN, TINY_RUN, child_env, launch_local, losses_of
 
 from longt5_jax import cli, train
 from longt5_jax.launch import local
 from longt5_jax.training import distributed
 
-RUN = [*TINY_RUN[:1], *TINY_RUN[2:]]  # without cpu_devices: the launcher sets it per process
 FIVE = ["--gin.RunConfig.train_steps=5", "--gin.CheckpointConfig.save_every=3"]
 DP_TP = ["--gin_file=configs/parallel/dp4_tp2.gin"]  # (2 x 4 devices: data 2 x 2 processes)
 DP_TP_PP = ["--gin_file=configs/parallel/dp2_tp2_pp2.gin"]
@@ -81,34 +80,8 @@ def test_the_launcher_reports_a_failure_and_its_status(capfd):
     ]
 
 
-def launch_local(processes: int, *args) -> str:
-    """`launch.local` of the tiny run on `processes` processes sharing 8 devices; its output."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "longt5_jax.launch.local",
-            f"--num_processes={processes}",
-            f"--devices_per_process={8 // processes}",
-            "--",
-            *RUN,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    return out.stdout
-
-
 def _launch(model_dir, *extra, processes=2):
     return launch_local(processes, *FIVE, *extra, f"--gin.MODEL_DIR='{model_dir}'")
-
-
-def _losses(model_dir):
-    return [json.loads(line)["loss"] for line in (model_dir / "metrics.jsonl").open()]
 
 
 def _latest_removed(model_dir, copy):
@@ -125,20 +98,20 @@ def test_two_processes_train_and_hand_checkpoints_over_like_one(tmp_path):
     tensor mesh, handed to one and back, are every chain of `test_elastic.py`.)"""
     one = tmp_path / "one"
     assert train.main([*TINY_RUN, *FIVE, *DP_TP, f"--gin.MODEL_DIR='{one}'"]) == 0
-    want = _losses(one)
+    want = losses_of(one)
     assert len(want) == 5
     out = _launch(tmp_path / "two", *DP_TP_PP)
     assert "[0/2] " in out and "[1/2] " in out and "8 devices" in out
-    np.testing.assert_allclose(_losses(tmp_path / "two"), want, rtol=1e-5)
+    np.testing.assert_allclose(losses_of(tmp_path / "two"), want, rtol=1e-5)
     # Saved by two processes pipelined, resumed by one without the pipeline ...
     two_to_one = _latest_removed(tmp_path / "two", tmp_path / "two_to_one")
     assert train.main([*TINY_RUN, *FIVE, *DP_TP, f"--gin.MODEL_DIR='{two_to_one}'"]) == 0
-    np.testing.assert_allclose(_losses(two_to_one), want, rtol=1e-5)
+    np.testing.assert_allclose(losses_of(two_to_one), want, rtol=1e-5)
     # ... and saved by one, resumed by two on the pipelined mesh.
     one_to_two = _latest_removed(one, tmp_path / "one_to_two")
     out = _launch(one_to_two, *DP_TP_PP)
     assert "resumed from step 3" in out
-    np.testing.assert_allclose(_losses(one_to_two), want, rtol=1e-5)
+    np.testing.assert_allclose(losses_of(one_to_two), want, rtol=1e-5)
 
 
 def _fake_slurm(bin_dir: Path) -> None:
@@ -178,7 +151,7 @@ def test_the_sbatch_script_trains_through_srun(tmp_path):
         SLURM_NTASKS="2",
         MODEL_DIR=str(tmp_path / "run"),
         GIN_FILE="configs/demo.gin",
-        GIN_ARGS=" ".join(a for a in RUN if a != "--gin_file=configs/demo.gin"),
+        GIN_ARGS=" ".join(a for a in LAUNCHED_RUN if a != "--gin_file=configs/demo.gin"),
         EXTRA_ARGS="--gin.RunConfig.train_steps=3 --gin.RunConfig.cpu_devices=4",
     )
     out = subprocess.run(
@@ -204,7 +177,7 @@ def test_a_dead_process_stops_the_other_within_a_minute(tmp_path):
                 sys.executable,
                 "-m",
                 "longt5_jax.train",
-                *RUN,
+                *LAUNCHED_RUN,
                 "--gin.RunConfig.train_steps=1000",
                 "--gin.RunConfig.cpu_devices=4",
                 f"--gin.MODEL_DIR='{tmp_path / 'run'}'",

@@ -9,8 +9,8 @@ import time
 import urllib.request
 
 import pytest
+from helpers import TINY_RUN
 from prometheus_client.parser import text_string_to_metric_families
-from test_train import TINY_RUN
 
 from longt5_jax import train
 from longt5_jax.training.metrics import peak_flops

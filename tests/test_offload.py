@@ -12,8 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_step import ADAFACTOR, _batches
-from test_train import TINY_RUN
+from helpers import ADAFACTOR, TINY_RUN, tiny_batches
 
 from longt5_jax import train
 from longt5_jax.estimate import compile_ahead, targets
@@ -43,7 +42,7 @@ def _run(parallel, optimizer, mode, microbatches=1, grad_dtype="float32", dtype=
     )
     state = step.init(jax.random.key(0))
     losses, kinds = [], []
-    for batch in _batches(steps):
+    for batch in tiny_batches(steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         kinds.append(
@@ -52,7 +51,7 @@ def _run(parallel, optimizer, mode, microbatches=1, grad_dtype="float32", dtype=
                 for part in ("params", "opt_state")
             }
         )
-    evaluated = step.evaluate(state.params, _batches(1, seed=1)[0])
+    evaluated = step.evaluate(state.params, tiny_batches(1, seed=1)[0])
     assert int(metrics.get("skipped_steps", 0)) == 0  # float16: every step updated
     return np.array(losses), jax.tree.map(np.asarray, state.params), kinds, evaluated
 
@@ -178,26 +177,3 @@ def test_the_compiled_gpu_step_keeps_offloaded_bytes_in_host_memory():
     assert 0.98 * opt <= none.total - optim.total <= opt
     assert moved.to_device == moved.to_host == opt
     assert moved_both.to_device == moved_both.to_host == opt + params
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
-def test_bench_offload_reports_memory_pcie_and_the_cpu_cost(tmp_path, capsys):
-    from longt5_jax.bench import offload as bench
-
-    argv = ["--model", "tiny", "--input_length", "512", "--target_length", "64", "--zero", "0"]
-    argv += ["--fit_length", "0", "--cpu_model", "tiny", "--cpu_steps", "2"]
-    assert bench.main([*argv, "--out_dir", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "offload.json").read_text())
-    none, opt, both = report["rows"]
-    assert none["host_gib"] == 0 < opt["host_gib"] < both["host_gib"]
-    assert opt["device_gib"] < none["device_gib"] and none["pcie_gb"] == 0 < opt["pcie_gb"]
-    assert [t["offload"] for t in report["cpu"]] == list(offload.OFFLOADS)
-    assert report["cpu"][0]["ratio"] == 1 and all(t["median_s"] > 0 for t in report["cpu"])
-    assert (tmp_path / "offload.png").stat().st_size > 0
-    assert "optimizer_and_params" in capsys.readouterr().out
-    assert bench.main(["--target", "cpu", "--out_dir", str(tmp_path)]) == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == "error: --target: device memory is read from a GPU compile"
-    )

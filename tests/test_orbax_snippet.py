@@ -9,7 +9,7 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import numpy as np
-from test_train import TINY_RUN, child_env
+from helpers import TINY_RUN, child_env
 
 from longt5_jax import train
 from longt5_jax.formats.native import model_config, restore_params, saved_tokenizer

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import random_params
+from helpers import random_params
 
 from longt5_jax.model import LongT5, LongT5Config
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from reference import max_rel, padded_batch, random_params, torch_model
+from helpers import max_rel, padded_batch, random_params, torch_model
 
 from longt5_jax.formats import hf
 from longt5_jax.model import LongT5, LongT5Config

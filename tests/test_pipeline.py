@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_step import _batches, _while_bodies
+from helpers import TINY_RUN, tiny_batches, while_bodies
 
 from longt5_jax import train
 from longt5_jax.data.pipeline import DataConfig
@@ -22,7 +22,7 @@ from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.parallel.pipeline import Pipeline, _segments
 from longt5_jax.parallel.rules import rules
 from longt5_jax.parallel.sharding import tree_shardings
-from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.experiment import Sizing
 from longt5_jax.training.step import StepConfig
 
 # (data, tensor, pipeline, microbatches, repeats, ZeRO stage)
@@ -49,7 +49,7 @@ def _loss_and_grads(model, params, batch):
 
 @pytest.fixture(scope="module")
 def batch():
-    return _batches(1, rows=8, length=32, target_length=8)[0]
+    return tiny_batches(1, rows=8, length=32, target_length=8)[0]
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_stages_pass_activations_and_never_gather_all_weights(plan_name, referen
     # Activations move to the next stage by collective-permute inside the pipeline loops.
     permutes = [
         line
-        for body in _while_bodies(hlo)
+        for body in while_bodies(hlo)
         for line, _ in _across_stages(body, "collective-permute", mesh)
     ]
     assert permutes
@@ -223,8 +223,6 @@ def test_pipeline_settings_that_cannot_work_are_one_line_errors(capsys):
 def test_the_demo_trains_pipelined_with_one_flag(tmp_path):
     """demo.gin + dp2_tp2_pp2.gin logs the losses of the unpipelined run (float32 tolerance)."""
     import json
-
-    from test_train import TINY_RUN
 
     runs = {}
     for name, extra in (("plain", []), ("pp", ["--gin_file=configs/parallel/dp2_tp2_pp2.gin"])):
@@ -297,4 +295,4 @@ def _check_fits(parallel: ParallelConfig, batch: int, layers=(4, 4), accumulatio
         num_decoder_layers=layers[1],
     )  # fmt: skip
     data, step = DataConfig(batch_size=batch), StepConfig(microbatches=accumulation)
-    Experiment(model=model, data=data, parallel=parallel, step=step).check_fits(8)
+    Sizing(model=model, data=data, parallel=parallel, step=step).check_fits(8)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import NO_BF16, SMALL_PLAN
 
 from longt5_jax import plan
 from longt5_jax.errors import ConfigError
@@ -23,13 +24,6 @@ GPU = pytest.mark.skipif(
     not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
 )
 
-NO_BF16 = (
-    "--dtype bfloat16: Tesla V100-SXM2-32GB (compute capability 7.0) has no bfloat16; "
-    "use --dtype float16"
-)
-SMALL = ["--model", "tiny", "--nodes", "1", "--gpus_per_node", "8", "--input_length", "128"]
-SMALL += ["--target_length", "16", "--batch_sizes", "16", "--show", "3"]
-
 
 def _check_gin(out: str) -> None:
     best = out.split("best, as gin flags:")[1]
@@ -38,7 +32,7 @@ def _check_gin(out: str) -> None:
 
 
 def test_plan_ranks_and_prints_gin(capsys):
-    assert plan.main([*SMALL, "--compile_top", "0"]) == 0
+    assert plan.main([*SMALL_PLAN, "--compile_top", "0"]) == 0
     out = capsys.readouterr().out
     assert "candidates divide" in out and "est GiB/dev" in out and "compiling" not in out
     _check_gin(out)
@@ -46,7 +40,7 @@ def test_plan_ranks_and_prints_gin(capsys):
 
 @pytest.mark.slow
 def test_plan_compiles_the_best_on_cpu_devices(capsys):
-    assert plan.main([*SMALL, "--target", "cpu", "--compile_top", "1"]) == 0
+    assert plan.main([*SMALL_PLAN, "--target", "cpu", "--compile_top", "1"]) == 0
     out = capsys.readouterr().out
     assert "compiling 1/1" in out and "CPU compiler" in out  # memory says whose it is
     _check_gin(out)
@@ -119,7 +113,7 @@ def test_a_surprise_in_one_layer_forms_memory_passes_over_only_that_form(monkeyp
 
 def test_a_gpu_target_without_the_gpu_extra_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(targets, "have_gpu_compiler", lambda: False)
-    assert plan.main([*SMALL, "--target", "h100-80gb", "--compile_top", "1"]) == 2
+    assert plan.main([*SMALL_PLAN, "--target", "h100-80gb", "--compile_top", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install -e '.[gpu]'" in err and "--target cpu" in err
 
@@ -221,22 +215,6 @@ def test_the_h200_target_is_the_h100s_chip_with_its_memory():
     assert fields(h200) == fields(h100)
 
 
-def test_commands_default_dtype_to_the_targets_half_precision(capsys):
-    """The planner, `bench cluster` and `bench scaling` (which shares its parser) alike."""
-    from longt5_jax.bench import cluster, scaling
-
-    for parse in (plan._parser().parse_args, cluster.parser().parse_args,
-                  scaling._parser().parse_args):  # fmt: skip
-        assert parse(["--target", "v100-32gb"]).dtype == "float16"
-        assert parse(["--target", "v100-32gb", "--dtype", "float32"]).dtype == "float32"
-        assert parse(["--target", "cpu"]).dtype == "bfloat16"
-        assert parse([]).dtype == "bfloat16"  # the default target: A100
-    assert plan.main([*SMALL, "--target", "v100-32gb", "--compile_top", "0"]) == 0
-    assert "float16 128/16 attention_kernel=xla on 1 nodes x 8 GPUs, 32 GiB, 125 TFLOP/s" in (
-        capsys.readouterr().out
-    )
-
-
 def test_a_float32_plan_computes_at_float32s_peak_with_xlas_attention_on_an_a100(capsys):
     """TF32's dense peak (an A100's 156 TFLOP/s, half its bfloat16 312; an H100's 494.5; a
     V100's CUDA cores 15.7), unless --peak_tflops says; and `auto` keeps float32 off the kernels
@@ -249,20 +227,11 @@ def test_a_float32_plan_computes_at_float32s_peak_with_xlas_attention_on_an_a100
     args.peak_tflops = 100.0
     assert cost.Cluster.from_args(a100, args).peak_tflops == 100.0
     for target, kernel, peak in (("a100-80gb", "xla", 156), ("h100-80gb", "pallas", 494.5)):
-        argv = [*SMALL, "--target", target, "--dtype", "float32", "--compile_top", "0"]
+        argv = [*SMALL_PLAN, "--target", target, "--dtype", "float32", "--compile_top", "0"]
         assert plan.main(argv) == 0
         out = capsys.readouterr().out
         assert f"float32 128/16 attention_kernel={kernel} on 1 nodes x 8 GPUs" in out
         assert f"GiB, {peak:g} TFLOP/s peak" in out
-
-
-@pytest.mark.parametrize("command", ["cluster", "scaling"])
-def test_bench_refuses_bfloat16_on_a_v100_in_one_line(command, capsys):
-    from longt5_jax.bench import cluster, scaling
-
-    main = {"cluster": cluster.main, "scaling": scaling.main}[command]
-    assert main(["--target", "v100-32gb", "--dtype", "bfloat16"]) == 2
-    assert capsys.readouterr().err == f"error: {NO_BF16}\n"
 
 
 def _gpu(kind: str, capability: str):
@@ -358,7 +327,7 @@ def test_the_planner_plans_the_kernels_for_gpus_and_says_so_in_the_gin(capsys):
         (["--target", "cpu"], "xla"),
         (["--attention_kernel", "xla"], "xla"),
     ):
-        assert plan.main([*SMALL, *argv, "--compile_top", "0"]) == 0
+        assert plan.main([*SMALL_PLAN, *argv, "--compile_top", "0"]) == 0
         out = capsys.readouterr().out
         assert f"attention_kernel={kernel} on " in out
         assert f"--gin.LongT5Config.attention_kernel=\"'{kernel}'\"" in out.split("gin flags:")[1]

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import TINY_RUN, child_env, free_ports, http_get, promtool_lint
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_train import TINY_RUN, child_env
 
 from longt5_jax.infer.rouge import KEYS as ROUGE_KEYS
 from longt5_jax.model import LongT5Config
@@ -124,18 +123,6 @@ def test_other_processes_export_only_their_own_figures_so_sums_count_each_once()
     }
     for _, samples in families.values():
         assert all(dict(labels)["process"] == "1" for _, labels in samples)
-
-
-def promtool_lint(text: str) -> str:
-    """What `promtool check metrics` says of an endpoint's text ('' when it passes)."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    lint = subprocess.run(
-        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
-    )
-    said = lint.stdout + lint.stderr
-    return said or ("" if lint.returncode == 0 else f"exit {lint.returncode}")
 
 
 def test_the_endpoint_serves_the_default_collectors_and_passes_promtool_at_every_row():
@@ -264,26 +251,6 @@ def test_slurm_targets_list_each_process_on_its_node(tmp_path):
         "targets": ["gpu07:9400", "gpu07:9401", "gpu08:9402", "gpu08:9403", "gpu09:9404"],
         "labels": {"slurm_job": "4242"},
     }
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(first, first + count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return first
-
-
-def http_get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return response.read().decode()
 
 
 @contextlib.contextmanager

@@ -11,23 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import hold_lock
 
 from longt5_jax.training import run_lock
 from longt5_jax.training.run_lock import LockedError, RunLock
-
-HOLD = (
-    "import sys, time; from longt5_jax.training.run_lock import RunLock; "
-    "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
-)
-
-
-def hold_lock(model_dir: Path) -> subprocess.Popen:
-    """A real process that takes the lock and keeps it until it is killed."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(model_dir)], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline() == "held\n"
-    return proc
 
 
 def _dead_pid() -> int:

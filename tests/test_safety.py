@@ -19,17 +19,24 @@ import sys
 import time
 from pathlib import Path
 
-import forkrun
 import pytest
-from test_run_lock import hold_lock
-from test_train import child_env, train_command
+from helpers import (
+    NO_EVAL,
+    child_env,
+    hold_lock,
+    read_until,
+    run_forked,
+    run_process,
+    snapshot,
+    start_process,
+    train_command,
+)
 
 from longt5_jax import cli
 from longt5_jax.model import LongT5Config
 from longt5_jax.training import identity, run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["--gin.EvalConfig.loss_every=0", "--gin.EvalConfig.rouge_every=0"]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +44,6 @@ def env():
     """The tests' processes: the compile settings of every process the tests start, and the
     data cache as it is (the run's tokenizer is the one every training test uses)."""
     return child_env("JAX_PLATFORMS")
-
-
-def _snapshot(d: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(d)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(d.rglob("*"))
-    }
 
 
 def _one_line(proc: subprocess.CompletedProcess, *named: str) -> str:
@@ -54,24 +54,6 @@ def _one_line(proc: subprocess.CompletedProcess, *named: str) -> str:
     assert all(n in lines[0] for n in named), lines[0]
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     return lines[0]
-
-
-def _run(args: list[str], env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _start(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def _until(proc: subprocess.Popen, prefix: str) -> None:
-    """Read the run's output until a line starts with `prefix` (that step is logged)."""
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return
-    raise AssertionError(f"the run ended (exit {proc.wait()}): {proc.stderr.read()[-3000:]}")
 
 
 def _recorded(lock: Path, proc: subprocess.Popen) -> bytes:
@@ -96,13 +78,13 @@ def test_a_second_run_on_a_busy_model_dir_is_refused_and_a_rerun_resumes(tmp_pat
     resumes it."""
     run = tmp_path / "run"
     long_run = ["--gin.RunConfig.train_steps=400", "--gin.CheckpointConfig.save_every=2"]
-    first = _start(train_command(run, *STEPS, *long_run), env)
+    first = start_process(train_command(run, *NO_EVAL, *long_run), env)
     try:
         lock = _recorded(run / "train.lock", first)  # held from before the first compile
-        second = _run(train_command(run, *STEPS, "--gin.RunConfig.train_steps=4"), env)
+        second = run_process(train_command(run, *NO_EVAL, "--gin.RunConfig.train_steps=4"), env)
         _one_line(second, f"MODEL_DIR={run} is in use by pid {first.pid} on host ", "train.lock")
         assert (run / "train.lock").read_bytes() == lock  # the refusal touched nothing
-        _until(first, "step      2/400")
+        read_until(first, "step      2/400")
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=300)
     finally:
@@ -111,7 +93,9 @@ def test_a_second_run_on_a_busy_model_dir_is_refused_and_a_rerun_resumes(tmp_pat
     saved = int(re.search(r"SIGTERM: saved step (\d+);", out)[1])
     assert _steps(run) == list(range(1, saved + 1))  # one writer: every step once, in order
     assert not (run / "train.lock").exists()
-    again = _run(train_command(run, *STEPS, f"--gin.RunConfig.train_steps={saved + 1}"), env)
+    again = run_process(
+        train_command(run, *NO_EVAL, f"--gin.RunConfig.train_steps={saved + 1}"), env
+    )
     assert again.returncode == 0 and f"resumed from step {saved} " in again.stdout, again.stderr
     assert _steps(run) == list(range(1, saved + 2))
 
@@ -120,7 +104,9 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, env)
     holder = hold_lock(tmp_path / "run")  # takes the lock as a run does, then dies holding it
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    proc = _run(train_command(tmp_path / "run", *STEPS, "--gin.RunConfig.train_steps=1"), env)
+    proc = run_process(
+        train_command(tmp_path / "run", *NO_EVAL, "--gin.RunConfig.train_steps=1"), env
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if "train.lock" in line]
     assert len(warnings) == 1, proc.stderr
@@ -135,7 +121,7 @@ def test_every_process_of_a_refused_multi_process_run_says_so(tmp_path, env):
     """Process 0 takes the lock for the run; the others learn its answer and stop with it."""
     holder = hold_lock(tmp_path / "run")
     try:
-        proc = _run(
+        proc = run_process(
             [sys.executable, "-m", "longt5_jax.launch.local", "--num_processes=2",
              "--devices_per_process=4", "--", *train_command(tmp_path / "run")[3:]],
             {**env, "XLA_FLAGS": cli.xla_flags_for_child()},
@@ -165,10 +151,12 @@ def test_a_data_file_truncated_under_a_run_stops_it_in_one_line(tmp_path, env, r
     data.write_text("".join(json.dumps(r) + "\n" for r in records))  # 64 records, 28 pages
     original = data.read_bytes()
     files = ["--gin.DataConfig.task='files'", f"--gin.DataConfig.train_files='{data}'"]
-    command = train_command(tmp_path / "run", *STEPS, *files, "--gin.CheckpointConfig.save_every=2")
-    run = _start([*command[:-1], "--gin.RunConfig.train_steps=400", command[-1]], env)
+    command = train_command(
+        tmp_path / "run", *NO_EVAL, *files, "--gin.CheckpointConfig.save_every=2"
+    )
+    run = start_process([*command[:-1], "--gin.RunConfig.train_steps=400", command[-1]], env)
     try:
-        _until(run, "step      2/400")
+        read_until(run, "step      2/400")
         os.truncate(data, 0)
         out, err = run.communicate(timeout=300)
     finally:
@@ -181,13 +169,15 @@ def test_a_data_file_truncated_under_a_run_stops_it_in_one_line(tmp_path, env, r
     if not rerun:
         return
     data.write_bytes(original)
-    again = _run([*command[:-1], f"--gin.RunConfig.train_steps={last + 1}", command[-1]], env)
+    again = run_process(
+        [*command[:-1], f"--gin.RunConfig.train_steps={last + 1}", command[-1]], env
+    )
     assert again.returncode == 0 and f"resumed from step {last} " in again.stdout, again.stderr
 
 
 def _train(*args: str) -> list[str]:
     """Resume the trained run of the case's directory for 2 more steps."""
-    return train_command("{d}/run", *STEPS, "--gin.RunConfig.train_steps=4", *args)[1:]
+    return train_command("{d}/run", *NO_EVAL, "--gin.RunConfig.train_steps=4", *args)[1:]
 
 
 PREDICT = ["-m", "longt5_jax.predict", "--checkpoint={d}/run", "--input={d}/docs.jsonl"]
@@ -283,7 +273,7 @@ def trained(tmp_path_factory, env):
     from longt5_jax.data.tokenizer import train_tokenizer
 
     run = tmp_path_factory.mktemp("trained") / "run"
-    proc = _run(train_command(run, *STEPS, "--gin.RunConfig.train_steps=2"), env)
+    proc = run_process(train_command(run, *NO_EVAL, "--gin.RunConfig.train_steps=2"), env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "run.json").is_file() and (run / "checkpoints" / "2").is_dir()
     texts = [f"another corpus, sentence {i}: {i * 7} documents and summaries" for i in range(300)]
@@ -313,7 +303,7 @@ def _prepare(d: Path, name: str, run: Path, other: Path) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory, trained, env):
-    """Every case run at once (`forkrun`); each result with its directory's files before and
+    """Every case run at once (`run_forked`); each result with its directory's files before and
     after."""
     run, other = trained
     cases = {}
@@ -325,11 +315,11 @@ def outcomes(tmp_path_factory, trained, env):
         values["relative"] = os.path.relpath(d / "docs.jsonl", ROOT)
         values["port"] = taken.getsockname()[1]
         command = [sys.executable, *(a.format(**values) for a in argv)]
-        cases[name] = (values, command, _snapshot(d))
-    done = forkrun.start([c for _, c, _ in cases.values()], env, ROOT)
+        cases[name] = (values, command, snapshot(d))
+    done = run_forked([c for _, c, _ in cases.values()], env, ROOT)
     taken.close()
     return {
-        name: (values, proc, before, _snapshot(values["d"]))
+        name: (values, proc, before, snapshot(values["d"]))
         for (name, (values, _, before)), proc in zip(cases.items(), done, strict=True)
     }
 
@@ -348,8 +338,8 @@ def test_a_new_run_may_start_from_another_runs_parameters_with_another_tokenizer
     parameters: nothing of the source run is compared."""
     run, other = trained
     args = [f"--gin.CheckpointConfig.init_from='{run}'", f"--gin.DataConfig.tokenizer='{other}'"]
-    proc = _run(
-        train_command(tmp_path / "new", *STEPS, *args, "--gin.RunConfig.train_steps=1"), env
+    proc = run_process(
+        train_command(tmp_path / "new", *NO_EVAL, *args, "--gin.RunConfig.train_steps=1"), env
     )
     assert proc.returncode == 0 and f"parameters from {run}/checkpoints/2;" in proc.stdout, (
         proc.stderr

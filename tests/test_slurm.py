@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import TINY_RUN, child_env
+from helpers import TINY_RUN, child_env
 
 from longt5_jax.training import distributed
 

@@ -6,47 +6,21 @@ nothing about the parallelism (losses are compared with the adaptive optimizer t
 """
 
 import dataclasses
-import re
 
 import flax.traverse_util
 import jax
 import numpy as np
 import optax
 import pytest
+from helpers import ADAFACTOR, assert_same_training, tiny_batches, while_bodies
 
-from longt5_jax.data import batching
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.training.optim import make_optimizer
 from longt5_jax.training.step import Evaluator, ShardedStep, StepConfig
 
 CONFIG = LongT5Config.preset("tiny")
 MESHES = {"dp8": (8, 1), "dp4_tp2": (4, 2), "dp2_tp4": (2, 4)}
-
-
-def _batches(n=3, rows=8, length=24, target_length=8, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        examples = [
-            batching.padded_example(
-                {
-                    "inputs": batching.trim_with_eos(
-                        rng.integers(2, 200, rng.integers(5, length)), length
-                    ),
-                    "targets": batching.trim_with_eos(
-                        rng.integers(2, 200, rng.integers(2, target_length)), target_length
-                    ),
-                },
-                length,
-                target_length,
-            )
-            for _ in range(rows)
-        ]
-        out.append(
-            batching.to_features({k: np.stack([e[k] for e in examples]) for k in examples[0]})
-        )
-    return out
 
 
 def _run(mesh_cfg, optimizer, microbatches=1, devices=None, batches=None, **step_cfg):
@@ -59,7 +33,7 @@ def _run(mesh_cfg, optimizer, microbatches=1, devices=None, batches=None, **step
     )
     state = step.init(jax.random.key(0))
     losses = []
-    for batch in batches or _batches():
+    for batch in batches or tiny_batches():
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params)
@@ -74,16 +48,6 @@ def reference():
     }
 
 
-def _assert_same(got, want):
-    # Measured over every mesh x ZeRO stage, sequence sharding, accumulation and the dropout
-    # layouts: losses within 2.4e-7 relative (2 float32 ulps), parameters after 3 SGD steps
-    # within 5.6e-7 of each leaf's largest (dp2_tp4, 4 microbatches).
-    losses, params = got
-    np.testing.assert_allclose(losses, want[0], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want[1]), strict=True):
-        assert np.abs(a - b).max() <= 2e-6 * np.abs(b).max()
-
-
 # Every mesh and every ZeRO stage runs by default (half the grid); the whole grid in the slow run.
 _GRID = [
     pytest.param(mesh, stage, marks=() if (i + stage) % 2 == 0 else pytest.mark.slow)
@@ -96,16 +60,7 @@ _GRID = [
 def test_sharded_steps_equal_one_device(reference, mesh, zero_stage):
     data, tensor = MESHES[mesh]
     cfg = ParallelConfig(data=data, tensor=tensor, zero_stage=zero_stage)
-    _assert_same(_run(cfg, optax.sgd(0.5)), reference["sgd"])
-
-
-ADAFACTOR = OptimizerConfig(
-    name="adafactor",
-    learning_rate=0.01,
-    schedule="constant",
-    warmup_steps=0,
-    adafactor_min_dim_size_to_factor=8,
-)
+    assert_same_training(_run(cfg, optax.sgd(0.5)), reference["sgd"])
 
 
 @pytest.mark.slow
@@ -167,13 +122,13 @@ def test_bfloat16_gradient_reduction_stays_close(reference):
 
 def test_sequence_sharding_changes_layout_not_results(reference):
     cfg = ParallelConfig(data=4, tensor=2, zero_stage=1, sequence_sharding=True)
-    _assert_same(_run(cfg, optax.sgd(0.5)), reference["sgd"])
+    assert_same_training(_run(cfg, optax.sgd(0.5)), reference["sgd"])
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_microbatches_equal_one_big_batch(reference, zero_stage):
     cfg = ParallelConfig(data=2, tensor=4, zero_stage=zero_stage)
-    _assert_same(_run(cfg, optax.sgd(0.5), microbatches=4), reference["sgd"])
+    assert_same_training(_run(cfg, optax.sgd(0.5), microbatches=4), reference["sgd"])
 
 
 DROPOUT = LongT5Config.preset("tiny", dropout_rate=0.1)
@@ -197,7 +152,7 @@ def _dropout_run(parallel, microbatches=1, devices=None):
         parallel,
     )
     state, losses = step.init(jax.random.key(0)), []
-    for i, batch in enumerate(_batches()):
+    for i, batch in enumerate(tiny_batches()):
         state, metrics = step(state, batch, jax.random.fold_in(jax.random.key(7), i))
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params)
@@ -219,7 +174,7 @@ def test_dropout_masks_follow_the_rows_not_the_layout(reference, dropout_referen
     )
     # Dropout is on: the losses are not the deterministic run's (they differ by 0.035 or more).
     assert np.abs(dropout_reference[0] - reference["sgd"][0]).min() > 1e-2
-    _assert_same(_dropout_run(parallel, micro), dropout_reference)
+    assert_same_training(_dropout_run(parallel, micro), dropout_reference)
 
 
 def _specs(mesh, zero_stage):
@@ -273,13 +228,6 @@ def test_partition_specs_golden_table(mesh, zero_stage):
         assert got == want, path
 
 
-def _while_bodies(hlo: str) -> list[str]:
-    """The text of every computation used as a while loop's body in an HLO module."""
-    names = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-    blocks = re.split(r"\n(?=%?[\w.\-]+ [^\n]*\{\n)", hlo)
-    return [b for b in blocks if b.split(" ", 1)[0].lstrip("%") in names]
-
-
 def _bytes_per_device(tree):
     return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
@@ -291,9 +239,9 @@ def test_zero3_keeps_a_data_fraction_of_the_state_per_device():
         state = step.init(jax.random.key(0))
         sizes[stage] = (_bytes_per_device(state.params), _bytes_per_device(state.opt_state))
         if stage == 3:
-            text = step.lower(state, _batches(1)[0]).compile().as_text()
+            text = step.lower(state, tiny_batches(1)[0]).compile().as_text()
             # Parameters are gathered layer by layer inside the scanned stacks' loops.
-            assert any("all-gather" in body for body in _while_bodies(text))
+            assert any("all-gather" in body for body in while_bodies(text))
     full = sum(sizes[0])
     # Both measure 0.1263: 1/8 plus the small replicated relpos tables.
     assert sizes[1][0] == sizes[0][0] and sizes[1][1] < 0.13 * sizes[0][1]  # moments sharded
@@ -303,7 +251,7 @@ def test_zero3_keeps_a_data_fraction_of_the_state_per_device():
 def test_tensor_parallel_step_reduces_over_tensor():
     step, _ = _specs("dp2_tp4", 0)
     state = step.init(jax.random.key(0))
-    text = step.lower(state, _batches(1)[0]).compile().as_text()
+    text = step.lower(state, tiny_batches(1)[0]).compile().as_text()
     assert "all-reduce" in text
 
 
@@ -327,7 +275,7 @@ def test_the_one_eval_path_equals_one_device_on_every_layout(layout):
     one_mesh = make_mesh(alone, jax.devices()[:1])
     one = ShardedStep(LongT5(CONFIG), StepConfig(), optax.sgd(0.5), one_mesh, alone)
     params = jax.tree.map(np.asarray, one.init(jax.random.key(3)).params)
-    batch = _batches(1, seed=5)[0]
+    batch = tiny_batches(1, seed=5)[0]
     want = jax.device_get(one.evaluate(params, batch))
     model = LongT5(CONFIG, runner=parallel.pipeline_schedule())
     step = ShardedStep(model, StepConfig(), optax.sgd(0.5), make_mesh(parallel), parallel)

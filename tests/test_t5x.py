@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from reference import logits, padded_batch
+from helpers import logits, padded_batch
 
 from longt5_jax.formats import t5x
 from longt5_jax.model import LongT5Config
@@ -56,7 +56,7 @@ def _t5x_names(config):
 
 
 def _random_params(config, seed=7):
-    """Every leaf random (norm scales around 1), drawn with numpy: reference.random_params runs
+    """Every leaf random (norm scales around 1), drawn with numpy: helpers.random_params runs
     the model's init op by op, which takes seconds on 2 cores; the shapes are the same."""
     rng = np.random.default_rng(seed)
     flat = {

@@ -6,9 +6,9 @@ import json
 import shutil
 
 import pytest
+from helpers import TINY_RUN
 from tensorboard.backend.event_processing import event_multiplexer
 from tensorboard.plugins.hparams import plugin_data_pb2
-from test_train import TINY_RUN
 
 from longt5_jax import train
 

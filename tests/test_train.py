@@ -1,5 +1,6 @@
 """The training entry point: gin handling, a short real run, and the shipped gin files."""
 
+import dataclasses
 import json
 import math
 import os
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import TINY_RUN, child_env, train_command
 
-from longt5_jax import cli, configuration, train
+from longt5_jax import configuration, train
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig
@@ -19,51 +21,6 @@ from longt5_jax.training.checkpoint import CheckpointConfig
 from longt5_jax.training.optim import OptimizerConfig
 from longt5_jax.training.run_config import RunConfig
 from longt5_jax.training.step import StepConfig
-
-TINY_RUN = [
-    "--gin_file=configs/demo.gin",
-    "--gin.RunConfig.cpu_devices=0",  # the test process already has its 8 fake devices
-    "--gin.RunConfig.train_steps=4",
-    "--gin.RunConfig.log_every=1",
-    "--gin.DataConfig.input_length=256",
-    "--gin.DataConfig.target_length=32",
-    "--gin.DataConfig.tokenizer_vocab_size=2000",
-    "--gin.LongT5Config.vocab_size=2176",
-    "--gin.OptimizerConfig.total_steps=4",
-    "--gin.OptimizerConfig.warmup_steps=1",
-]
-
-
-def child_env(*drop: str) -> dict[str, str]:
-    """The environment of a process a test starts, less the variables in `drop`: the tests'
-    compile flags (conftest's XLA_FLAGS) less their device count, which is the process's own,
-    and jax's switch for XLA's cheapest optimisation level besides. Such processes run a few
-    tiny steps after compiling the step, often afresh (in a multi-process run jax writes the
-    persistent cache only from process 0, and keys it by each process's devices, so the others
-    always compile): compiled in a third of the time, even if their steps then run slower. They
-    all compile alike, so they share the persistent cache."""
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["XLA_FLAGS"] = cli.xla_flags_for_child()
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    return env
-
-
-SCHEDULE_STEPS = 14  # the learning-rate schedule of every run `train_command` starts
-
-
-def train_command(model_dir, *extra: str) -> list[str]:
-    """The tiny run in a process of its own, on demo.gin's 8 fake devices. One schedule
-    for every test that starts one, so that they all run one program, compiled once."""
-    return [
-        sys.executable,
-        "-m",
-        "longt5_jax.train",
-        *TINY_RUN[:1],
-        *TINY_RUN[2:],
-        f"--gin.OptimizerConfig.total_steps={SCHEDULE_STEPS}",
-        *extra,
-        f"--gin.MODEL_DIR='{model_dir}'",
-    ]
 
 
 def test_a_short_run_writes_metrics_config_and_a_checkpoint(tmp_path, capsys):
@@ -231,18 +188,45 @@ def test_the_old_gin_name_of_the_parallel_config_still_binds_with_one_notice(tmp
         configuration.build(ParallelConfig)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ParallelOnly:
+    parallel: ParallelConfig
+
+
 def test_an_old_gin_name_on_the_command_line_wins_over_the_files_new_one(capsys):
     """`--gin.MeshConfig.data=2` on the demo (whose file binds ParallelConfig.data = 4): the
     run's mesh is the one asked for, as with any command-line binding, and the old name is
     announced once."""
     configuration._WARNED.clear()
     argv = ["--gin_file=configs/demo.gin", "--gin.MODEL_DIR='/tmp/x'", "--gin.MeshConfig.data=2"]
-    exp, _ = configuration.from_args([*argv, "--gin.MeshConfig.tensor=4"], ("parallel",))
-    assert (exp.parallel.data, exp.parallel.tensor) == (2, 4)
+    built, _ = configuration.from_args([*argv, "--gin.MeshConfig.tensor=4"], _ParallelOnly)
+    assert (built.parallel.data, built.parallel.tensor) == (2, 4)
     assert capsys.readouterr().err.splitlines() == [
         "warning: MeshConfig.data: the gin name MeshConfig is deprecated, write "
         "ParallelConfig.data (the old name works for this release only)"
     ]
+
+
+def test_data_files_bind_as_a_list_and_a_bad_value_is_one_line_naming_the_binding():
+    """A list in gin, or one file alone as a string; the operative config keeps what was
+    written (a run's config.gin is read again by evaluate and resumes)."""
+    bindings = [
+        "DataConfig.train_files = ['a/*.jsonl', 'b.parquet']",
+        "DataConfig.eval_files = 'c'",
+    ]
+    configuration.parse([], bindings)
+    data = configuration.build(DataConfig)
+    assert (data.train_files, data.eval_files) == (("a/*.jsonl", "b.parquet"), ("c",))
+    assert "DataConfig.train_files = ['a/*.jsonl', 'b.parquet']" in configuration.operative_config()
+    for value, expected in [
+        ("3", "DataConfig.train_files = 3: expected a list of str"),
+        ("['a', 3]", "DataConfig.train_files = ['a', 3]: expected a list of str"),
+        ("'a,b'", "DataConfig.train_files = 'a,b': expected a list of str: write ['a', 'b']"),
+    ]:
+        configuration.parse([], [f"DataConfig.train_files = {value}"])
+        with pytest.raises(configuration.ConfigError) as raised:
+            configuration.build(DataConfig)
+        assert str(raised.value) == expected
 
 
 def _gin_files(folder):
@@ -269,7 +253,7 @@ def test_parallel_gin_files_build(path, stage):
 def test_run_gin_files_build(path):
     configuration.parse(
         ["configs/models/base_tglobal.gin", "configs/parallel/dp8.gin", path],
-        ["MODEL_DIR = '/tmp/x'", "INIT_FROM = '/tmp/y'", "DataConfig.train_files = 'x.jsonl'"],
+        ["MODEL_DIR = '/tmp/x'", "INIT_FROM = '/tmp/y'", "DataConfig.train_files = ['x.jsonl']"],
     )
     for cls in (
         CheckpointConfig,

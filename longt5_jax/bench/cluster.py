@@ -2,7 +2,7 @@
 
 Each row compiles the full train step (global batch 512 in 4 accumulation microbatches, in the
 target's half precision: bf16, fp16 on a V100; full remat, as the paper trains) for the target
-cluster with XLA's GPU compiler, deviceless (`plan/targets.py`), and reads off the program:
+cluster with XLA's GPU compiler, deviceless (`estimate/targets.py`), and reads off the program:
 per-device memory from the GPU buffer assignment, collective bytes per step by kind and by link
 (NVLink inside a node, InfiniBand across), a roofline over its kernels, and the communication its
 schedule leaves exposed. Compute time comes two ways (analytic FLOPs at an assumed MFU, plus the
@@ -21,14 +21,15 @@ import time
 from pathlib import Path
 
 from longt5_jax import cli
+from longt5_jax.bench import results as page
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import comm_model, compile_ahead, cost, flops, targets
+from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.plan import comm_model, compile_ahead, cost, flops, targets
-from longt5_jax.plan.shapes import ModelShapes
-from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.experiment import Sizing
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer
 from longt5_jax.training.step import StepConfig
 
@@ -42,6 +43,7 @@ PAPER = {
     "TP+PP+DP": (1410, 91.1, 12.6),
 }
 ROWS = ["base:4096", "large:4096", "xl:4096", "xl:8192"]
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 
 
 def parser(
@@ -51,8 +53,8 @@ def parser(
 ) -> argparse.ArgumentParser:
     """Table 1's settings (the step, the cluster, the bounds' assumptions, rows and strategies);
     `bench scaling` takes them with a list of node counts."""
-    p = cli.ArgumentParser(prog=prog, description=description, settle=targets.settle_dtype)
-    targets.add_cluster_arguments(p, cpu=True, nodes=nodes)
+    p = cli.ArgumentParser(prog=prog, description=description, settle=cli.settle_dtype)
+    cli.add_cluster_arguments(p, cpu=True, nodes=nodes)
     p.add_argument("--rows", nargs="+", default=ROWS, help="MODEL:INPUT_LENGTH (tiny .. xxl)")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--attention", default="tglobal")
@@ -64,7 +66,7 @@ def parser(
     )
     p.add_argument("--pipeline_microbatches", type=cli.positive, default=16)
     p.add_argument("--remat", default="full")
-    targets.add_dtype_argument(p)
+    cli.add_dtype_argument(p)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor"])
     p.add_argument(
         "--grad_dtype", default="float32", choices=["float32", "bfloat16"],
@@ -82,6 +84,7 @@ def parser(
     )
     p.add_argument("--inter_node_gbps", type=cli.rate, help="per GPU (default: the target's NIC)")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    page.add_argument(p)
     return p
 
 
@@ -121,7 +124,7 @@ def measure(args, cluster, devices, model: str, length: int, strategy: str) -> d
         raise ValueError(f"--batch_size {args.batch_size} is not divisible by --accumulation")
     step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)
     data = DataConfig(batch_size=args.batch_size)
-    Experiment(model=config, data=data, parallel=parallel, step=step).check_fits(len(devices))
+    Sizing(model=config, data=data, parallel=parallel, step=step).check_fits(len(devices))
     start = time.perf_counter()
     optimizer = make_optimizer(OptimizerConfig(name=args.optimizer))
     b, n = args.batch_size, cluster.devices
@@ -203,8 +206,29 @@ def _print(rows: list[dict], cluster) -> None:
         "no overlap - full overlap; roofline no overlap / as scheduled / full overlap; ceil: "
         "model FLOPs at 100% of peak. comm%: comm s / (MFU s + comm s), the paper's "
         "'communication wait'; expo%: expo s / (roof s + expo s); /model: the bytes against "
-        "the analytic communication model (plan/comm_model.py)."
+        "the analytic communication model (estimate/comm_model.py)."
     )
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results page's table: memory, GB per device per step by kind and link, samples/s."""
+    columns = ["strategy", "model", "GiB", "mem%", "all-reduce", "all-gather", "reduce-scatter",
+               "permute", "NVLink", "IB", "comm%", "samples/s (MFU)", "roofline", "/model",
+               "paper samples/s, mem%, comm%"]  # fmt: skip
+    table = []
+    for r in rows:
+        kind, link, s = r["collectives"]["kind"], r["collectives"]["link"], r["samples_per_s"]
+        gb = [f"{v / 1e9:.2f}" for v in (*(kind[k] for k in KINDS), link["nvlink"], link["ib"])]
+        paper = ", ".join(str(v) for v in r["paper"].values())
+        table.append([
+            r["strategy"], f"{r['model']} {r['input_length'] // 1024}k",
+            f"{r['memory']['total'] / 2**30:.1f}", f"{100 * r['memory_fraction']:.1f}", *gb,
+            f"{100 * r['comm_share']:.1f}",
+            f"{s['mfu_no_overlap']:.0f}-{s['mfu_full_overlap']:.0f}",
+            f"{s['roofline_as_scheduled']:.0f}",
+            f"{sum(kind.values()) / sum(r['comm_model_bytes'].values()):.3f}", paper,
+        ])  # fmt: skip
+    return page.markdown(columns, table)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -240,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    page.check(args.results, "cluster", argv)
     try:
         wanted = rows(args)
         target, devices = targets.open_target(args.target, args.nodes, args.gpus_per_node)
@@ -265,4 +290,6 @@ def _main(argv: list[str]) -> int:
     report = {"config": config, "cluster": cluster.describe(), "rows": results}
     write_json(out, "cluster", report)
     _plot(results, out / "cluster.png")
+    where = page.machine(f"{args.nodes} x {args.gpus_per_node} {target.name}")
+    page.publish(args, "cluster", argv, markdown(results), where=where)
     return 0

@@ -81,7 +81,10 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--batches", type=cli.positive, default=10)
     parser.add_argument("--objective", default="summarization")
     parser.add_argument(
-        "--train_files", default="", help="files to read (DataConfig.train_files); default: aclsum"
+        "--train_files",
+        nargs="+",
+        default=[],
+        help="files or globs to read (DataConfig.train_files); default: aclsum",
     )
     parser.add_argument("--model", default="small", help="preset of the reference step")
     parser.add_argument("--step_repeats", type=cli.positive, default=3)
@@ -90,7 +93,7 @@ def _main(argv: list[str]) -> int:
 
     base = DataConfig(
         task="files" if args.train_files else "aclsum",
-        train_files=args.train_files,
+        train_files=tuple(args.train_files),
         target_length=args.target_length,
         batch_size=args.batch_size,
         objective=args.objective,

@@ -19,8 +19,8 @@ import numpy as np
 
 from longt5_jax import cli
 from longt5_jax.bench import results as page
-from longt5_jax.bench import torch_reference
 from longt5_jax.bench.report import write_json
+from longt5_jax.formats import torch_reference
 from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config
 
@@ -166,8 +166,7 @@ def _main(argv: list[str]) -> int:
         "rows": rows,
     }
     write_json(out, "decode", report)
-    page.publish("decode", argv, markdown(rows), out_dir=out, page=args.results,
-                 where=page.machine())  # fmt: skip
+    page.publish(args, "decode", argv, markdown(rows), where=page.machine())
     return 0
 
 
@@ -175,8 +174,13 @@ def markdown(rows: list[dict]) -> str:
     """The results page's table: ours and transformers' seconds a call by beam count."""
     columns = ["beams", "ours s", "summaries/s", "tokens/s", "transformers s", "speed-up", "range"]
     table = [
-        [r["beams"], f"{r['seconds']:.2f}", f"{r['summaries_per_s']:.3f}",
-         f"{r['tokens_per_s']:.1f}", *_theirs_cells(r)]  # fmt: skip
+        [
+            r["beams"],
+            f"{r['seconds']:.2f}",
+            f"{r['summaries_per_s']:.3f}",
+            f"{r['tokens_per_s']:.1f}",
+            *_theirs_cells(r),
+        ]  # fmt: skip
         for r in rows
     ]
     return page.markdown(columns, table)

@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax import cli
-from longt5_jax.bench import torch_reference
+from longt5_jax.bench import results as page
 from longt5_jax.bench.pipeline import random_batch
 from longt5_jax.bench.report import pyplot, save_figure, write_json
+from longt5_jax.bench.torch_steps import time_train_steps
 from longt5_jax.bench.train_steps import peak_matmul_flops, torch_inputs
 from longt5_jax.errors import UsageError
 from longt5_jax.estimate import compile_ahead, cost, flops, hlo, targets
@@ -46,6 +47,12 @@ from longt5_jax.training.optim import NAMES, OptimizerConfig, make_optimizer
 from longt5_jax.training.step import StepConfig
 
 CASES = ["base:4096:8:none", "base:16384:2:full", "large:4096:4:full", "xl:4096:2:full"]
+COLUMNS = {  # the results page's table: `results.records`' paths and formats
+    "case": ("case", ""), "step s": ("gpu.step_s", ".3f"), "MFU": ("gpu.mfu", ".1%"),
+    "HFU": ("gpu.hfu", ".1%"), "GiB": ("gpu.memory.total", "GiB"),
+    "GiB deviceless": ("deviceless.memory.total", "GiB"), "transformers s":
+    ("transformers.step_s", ".3f"), "speed-up": ("speedup_over_transformers", ".2f"),
+}  # fmt: skip
 _RESULT = "RESULT "
 _NO_GPU = "bench device runs the step on a GPU; this process has none"
 AUTOTUNE_CACHE_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
@@ -68,7 +75,7 @@ def add_step_arguments(p, cases: list[str], target_help: str, length_type=cli.po
     )
     # AdamW by default, as the field's MFU figures (and torch's step beside ours) use; Adafactor
     # is the training loop's default (LongT5's T5X setup): a fraction of AdamW's state, an update
-    # of about its bytes (xl 4k, deviceless H100: 25.9 against 47.1 GiB, 65.9 against 74.4 GB).
+    # of about its bytes (docs/journal.md, "Adafactor against AdamW").
     p.add_argument("--optimizer", default="adamw", choices=NAMES)
     add_launch_argument(p)
 
@@ -113,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     keep = "keep XLA's autotuning results in DIR: later runs skip it and run the same tilings"
     p.add_argument("--autotune_cache", type=Path, metavar="DIR", help=keep)
     p.add_argument("--child", choices=["gpu", "deviceless", "torch"], help=argparse.SUPPRESS)
+    page.add_argument(p)
     return p
 
 
@@ -235,9 +243,7 @@ def _transformers(args, case: str, device: str = "cuda") -> dict:
     config = LongT5Config.preset(model, args.attention)
     inputs = torch_inputs(random_batch(b, length, args.target_length, config.vocab_size))
     checkpointing = remat != "none"
-    return torch_reference.time_train_steps(
-        config, inputs, checkpointing, args.warmup, args.steps, device
-    )
+    return time_train_steps(config, inputs, checkpointing, args.warmup, args.steps, device)
 
 
 def _compile(lowered, autotune_cache: Path | None):
@@ -348,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    page.check(None if args.child else args.results, "device", argv)
     try:
         for case in args.cases:
             parse_case(case)
@@ -385,4 +392,6 @@ def _main(argv: list[str]) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "child")}
     write_json(out, "device", {"config": config, "rows": rows})
     _plot(rows, out / "device.png")
+    where = page.machine(gpu=rows[-1]["gpu"].get("device", "unknown GPU"))
+    page.publish(args, "device", argv, page.records(rows, COLUMNS), where=where)
     return 0

@@ -20,17 +20,22 @@ import functools
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 
 from longt5_jax import cli, kernel_checks
 from longt5_jax.bench import profile
+from longt5_jax.bench import results as page
 from longt5_jax.bench.device import launch_text, parse_launch
 from longt5_jax.bench.report import write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.kernels.launch import KERNELS, kernels_set_by
 
+COLUMNS = {  # the results page's table: `results.records`' paths and formats
+    "case": ("case", ""), "XLA s": ("xla_seconds", ".5f"), "kernels s": ("pallas_seconds", ".5f"),
+}  # fmt: skip
 CASES = [
     "base:tglobal:4096:2:padded",
     "base:tglobal:16384:1:packed",
@@ -59,7 +64,9 @@ def kernel_times(run, runs: int = 3) -> list[dict]:
         return profile.device_kernels(profile.read_trace(Path(trace_dir)), runs)
 
 
-def measure(case: str, repeats: int, launches: list = ((),), trace: bool = False) -> dict:
+def measure(
+    case: str, repeats: int, launches: Sequence[tuple] = ((),), trace: bool = False
+) -> dict:
     xla, problem = kernel_checks.case_problem(case)
     pallas = dataclasses.replace(xla, attention_kernel="pallas")
     real = problem[1]["seg"][..., None] > 0
@@ -144,7 +151,9 @@ def _main(argv: list[str]) -> int:
         "--trace", action="store_true", help="time each kernel of both paths (jax.profiler)"
     )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    page.add_argument(p)
     args = p.parse_args(argv)
+    page.check(args.results, "kernels", argv)
     for case in args.cases:
         kernel_checks.parse_case(case)
     if args.repeats < 0:
@@ -161,6 +170,7 @@ def _main(argv: list[str]) -> int:
         )
     if best is not None:
         print(f"--launch for the step (what beat the default): {best or '(default)'}")
+    page.publish(args, "kernels", argv, page.records(reports, COLUMNS), where=page.machine())
     return 0
 
 
@@ -177,9 +187,10 @@ def _best_launch(reports: list[dict]) -> str | None:
     everywhere = set.intersection(*(set(t) for t in timed)) if timed else set()
     totals = {launch: sum(t[launch] for t in timed) for launch in everywhere}
     if "" not in totals:
-        return min(totals, key=totals.get) if totals else None
-    taken, kernels = [], set()
-    for launch in sorted((x for x in totals if totals[x] < totals[""]), key=totals.get):
+        return min(totals, key=lambda x: totals[x]) if totals else None
+    taken: list[str] = []
+    kernels: set[str] = set()
+    for launch in sorted((x for x in totals if totals[x] < totals[""]), key=lambda x: totals[x]):
         sets = kernels_set_by(parse_launch(launch))
         if not sets & kernels:
             taken.append(launch)
@@ -190,8 +201,7 @@ def _best_launch(reports: list[dict]) -> str | None:
 def _layer_seconds(report: dict) -> dict[str, float]:
     """A case's layer time under each launch setting: where every setting was traced (`--trace`),
     its kernels' device time, else the timed calls', which count the host's dispatch too (on an
-    H200 a TGlobal layer's calls took 7.49-7.71 ms under settings that each left its kernels'
-    6.56-6.57 ms as they were, and so hid the decoder's dkv in 4 warps: 0.893 -> 0.753 ms)."""
+    H200 the calls' spread hid the decoder's dkv in 4 warps: docs/journal.md, "Launch settings")."""
     seconds = report["launch_seconds"]
     traced = {**report.get("launch_kernels", {})}
     if "pallas_kernels" in report and "launch" in report:

@@ -103,7 +103,8 @@ def _candidate(text: str, batch: int) -> cands.Candidate:
     if len(parts) != 7:
         raise ValueError(f"candidate {text!r}: expected d,t,p,zero,microbatches,repeats,remat")
     *numbers, remat = parts
-    return cands.Candidate(*(int(n) for n in numbers), remat, batch)
+    data, tensor, pipeline, zero, microbatches, repeats = (int(n) for n in numbers)
+    return cands.Candidate(data, tensor, pipeline, zero, microbatches, repeats, remat, batch)
 
 
 def _measure(args, devices) -> list[dict]:
@@ -243,6 +244,5 @@ def _main(argv: list[str]) -> int:
     write_json(out, "memory", report)
     _plot(rows, calibrations, out / "memory.png")
     where = page.machine(f"{args.nodes} x {args.gpus_per_node} {args.target}")
-    table = markdown(rows, calibrations)
-    page.publish("memory", argv, table, out_dir=out, page=args.results, where=where)
+    page.publish(args, "memory", argv, markdown(rows, calibrations), where=where)
     return 0

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import jax
+import optax
 
 from longt5_jax import cli
 from longt5_jax.bench import results as page
@@ -29,11 +30,11 @@ from longt5_jax.errors import UsageError
 from longt5_jax.estimate import compile_ahead, cost, flops, targets
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.devices import half_dtype
-from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
-from longt5_jax.training.optim import OptimizerConfig, make_optimizer
+from longt5_jax.parallel.mesh import Offload, ParallelConfig, make_mesh
+from longt5_jax.training.optim import Name, OptimizerConfig, make_optimizer
 from longt5_jax.training.step import ShardedStep, StepConfig
 
-MODES = ("none", "optimizer", "optimizer_and_params")
+MODES: tuple[Offload, ...] = ("none", "optimizer", "optimizer_and_params")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _optimizer(name: str):
+def _optimizer(name: Name) -> optax.GradientTransformation:
     return make_optimizer(OptimizerConfig(name=name))
 
 
@@ -130,10 +131,18 @@ def markdown(rows: list[dict]) -> str:
     columns = ["input, batch", "ZeRO", "offload", "device GiB", "host GiB", "PCIe GB", "host s",
                "cost", "40 GB", "80 GB"]  # fmt: skip
     table = [
-        [f"{r['input_length']}, {r['batch_size']}", r["zero_stage"], r["offload"],
-         f"{r['device_gib']:.2f}", f"{r['host_gib']:.2f}", f"{r['pcie_gb']:.2f}",
-         f"{r['host_s']:.3f}", f"{r['host_s'] / (r['compute_s'] + r['comm_s']):.1%}",
-         _fits(r, 40), _fits(r, 80)]  # fmt: skip
+        [
+            f"{r['input_length']}, {r['batch_size']}",
+            r["zero_stage"],
+            r["offload"],
+            f"{r['device_gib']:.2f}",
+            f"{r['host_gib']:.2f}",
+            f"{r['pcie_gb']:.2f}",
+            f"{r['host_s']:.3f}",
+            f"{r['host_s'] / (r['compute_s'] + r['comm_s']):.1%}",
+            _fits(r, 40),
+            _fits(r, 80),
+        ]  # fmt: skip
         for r in rows
     ]
     return page.markdown(columns, table)
@@ -156,7 +165,7 @@ def _cpu_timing(args, devices) -> list[dict]:
         states[mode] = steps[mode].init(jax.random.key(0))
     abstract = compile_ahead.abstract_batch(steps["none"], args.cpu_batch, *args.cpu_lengths)
     batch = {k: jax.numpy.ones(v.shape, v.dtype) for k, v in abstract.items()}
-    seconds = {mode: [] for mode in MODES}
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     for i in range(args.cpu_steps + 1):  # the first round compiles
         for mode in MODES:
             start = time.perf_counter()
@@ -206,8 +215,8 @@ def _plot(rows: list[dict], timing: list[dict], path: Path) -> None:
     first = rows[0]["input_length"]
     series = [("CPU, measured", {t["offload"]: t["ratio"] for t in timing})] if timing else []
     for zero in sorted({r["zero_stage"] for r in rows if r["input_length"] == first}):
-        got = [r for r in rows if r["input_length"] == first and r["zero_stage"] == zero]
-        ratio = {r["offload"]: 1 + r["host_s"] / (r["compute_s"] + r["comm_s"]) for r in got}
+        at = [r for r in rows if r["input_length"] == first and r["zero_stage"] == zero]
+        ratio = {r["offload"]: 1 + r["host_s"] / (r["compute_s"] + r["comm_s"]) for r in at}
         series.append((f"{first} ZeRO-{zero}, estimate", ratio))
     step = 0.8 / max(len(series), 1)
     for i, (label, ratio) in enumerate(series):
@@ -260,5 +269,5 @@ def _main(argv: list[str]) -> int:
     write_json(out, "offload", report)
     _plot(rows, timing, out / "offload.png")
     where = page.machine(f"{args.nodes} x {args.gpus_per_node} {target.name}")
-    page.publish("offload", argv, markdown(rows), out_dir=out, page=args.results, where=where)
+    page.publish(args, "offload", argv, markdown(rows), where=where)
     return 0

@@ -23,6 +23,7 @@ from longt5_jax import cli
 from longt5_jax.bench.report import write_json
 from longt5_jax.data import batching
 from longt5_jax.errors import UsageError
+from longt5_jax.estimate import hlo
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
@@ -57,11 +58,8 @@ class _Timed:
         )
         self.state = self.step.init(jax.random.key(0))
         self.batch = batch
-        memory = self.step.lower(self.state, batch).compile().memory_analysis()
-        self.memory = {
-            "temp_bytes": int(memory.temp_size_in_bytes),
-            "argument_bytes": int(memory.argument_size_in_bytes),
-        }
+        memory = hlo.memory(self.step.lower(self.state, batch).compile())
+        self.memory = {"temp_bytes": memory.temporaries, "argument_bytes": memory.arguments}
         self.times: list[float] = []
         self()  # compile and warm up
         self.times = []
@@ -81,7 +79,9 @@ def _row(parallel: ParallelConfig, piped: _Timed, reference: _Timed) -> dict:
     """One layout's idle share (from the schedule and as measured against data parallelism),
     step time and memory; printed as it comes."""
     p, m, r = parallel.pipeline, parallel.pipeline_microbatches, parallel.pipeline_repeats
-    theory = parallel.pipeline_schedule().bubble
+    schedule = parallel.pipeline_schedule()
+    assert schedule is not None  # the layouts timed here are pipelined
+    theory = schedule.bubble
     row = {
         "stages": p,
         "microbatches": m,

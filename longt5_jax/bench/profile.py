@@ -62,11 +62,11 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
         opcodes[computation].add(instr.opcode)
     ops = {}
     for _, _, instr in found:
-        path = re.search(r'op_name="([^"]*)"', instr.attrs)
+        named = re.search(r'op_name="([^"]*)"', instr.attrs)
         calls = re.search(r"calls=%([\w.\-]+)", instr.attrs)
         fused_dot = calls is not None and "dot" in opcodes[calls.group(1)]
         matmul = instr.opcode == "dot" or instr.name.startswith(_MATMUL_NAMES) or fused_dot
-        path = path.group(1) if path else ""
+        path = named.group(1) if named else ""
         ops[instr.name] = {"shape": instr.type, "path": path, "matmul": matmul}
     return ops
 
@@ -257,6 +257,8 @@ def _main(argv: list[str]) -> int:
     with jax.profiler.trace(str(trace_dir)):
         step()
     trace = read_trace(trace_dir)
+    hlo_text = step.compiled.as_text()
+    assert hlo_text is not None  # XLA's CPU and GPU executables both have their text
     report = {
         "device": str(jax.devices()[0]),
         "config": {
@@ -264,7 +266,7 @@ def _main(argv: list[str]) -> int:
             "launch": launch_text(args.launch),
         },
         "step_s": seconds,
-        "breakdown": breakdown(trace, step.compiled.as_text(), args.top),
+        "breakdown": breakdown(trace, hlo_text, args.top),
     }
     kernels = device_kernels(trace)
     # As `bench roofline` sorts the compiled step (whose `--goal_mfu` arithmetic these measure);
@@ -274,6 +276,6 @@ def _main(argv: list[str]) -> int:
     _print(report)
     write_json(out, "profile", report)
     # The program the trace ran, so the breakdown can be redone or read further.
-    (out / "profile_hlo.txt").write_text(step.compiled.as_text())
+    (out / "profile_hlo.txt").write_text(hlo_text)
     print(f"wrote {out / 'profile.json'} (trace under {trace_dir})")
     return 0

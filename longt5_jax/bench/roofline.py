@@ -4,8 +4,8 @@ Each case (model, input length, batch, remat) is the step the training loop runs
 (`ShardedStep`: half-precision activations, bf16 or fp16 as the GPU has, float32 parameters, AdamW
 or `--optimizer adafactor`),
 compiled deviceless for `--target` in a process of its own, as `bench device` does: no compiler
-state or kernel cache carries from one case to the next (each process peaks near 1.3 GiB resident,
-xl at 16k tokens included, and takes 12-18 s). Its kernels are costed by `estimate/roofline.py`
+state or kernel cache carries from one case to the next (each process's resident memory stays
+small, xl at 16k tokens included). Its kernels are costed by `estimate/roofline.py`
 (each max(FLOPs / peak, bytes / HBM bandwidth), Pallas Triton kernels at the FLOPs they declare) and
 reported as:
 
@@ -38,9 +38,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from longt5_jax import cli
 from longt5_jax.bench import device
+from longt5_jax.bench import results as page
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.estimate import compile_ahead, flops, hlo, hlo_module, roofline, targets
@@ -55,6 +57,11 @@ CASES = [
     "xl:16384:1:full",
 ]
 _RESULT = "RESULT "
+COLUMNS = {  # the results page's table: `results.records`' paths and formats
+    "case": ("case", ""), "HBM GB": ("roofline.bytes", "GB"), "GiB": ("memory.total", "GiB"),
+    "roofline ms": ("roofline.seconds", "ms"), "roofline MFU": ("mfu", ".1%"),
+    "Pallas TFLOP/s the goal needs": ("goal.pallas_tflops", ".0f"),
+}  # fmt: skip
 # Name-stack entries that say how an op was reached, not which part of the model it belongs to.
 _TRANSFORM = re.compile(r"^[\w.]*\(.*\)$")  # jit(f), jvp(LongT5), transpose(jvp(..)), vmap()
 # Name-stack entries of jax's own machinery, not the model's (jax 0.12 names a scanned layer's
@@ -71,6 +78,7 @@ def _parser() -> cli.ArgumentParser:
     device.add_step_arguments(p, CASES, targets.names_help(), cli.positive)
     p.add_argument("--top", type=cli.positive, default=10, help="groups listed per case")
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
+    page.add_argument(p)
     p.add_argument("--compare", type=Path, metavar="BEFORE.json", help="an earlier report")
     p.add_argument(
         "--goal_mfu", type=cli.fraction, default=0.35,
@@ -326,6 +334,7 @@ def _plot(rows: list[dict], top: int, path: Path) -> None:
 
 def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    page.check(None if args.child else args.results, "roofline", argv)
     for case in args.cases:
         model = device.parse_case(case)[0]
         LongT5Config.preset(model, args.attention)  # an unknown model or attention, said now
@@ -343,13 +352,17 @@ def _main(argv: list[str]) -> int:
     _print(rows, args.top, args.goal_mfu)
     out = Path(args.out_dir)
     config = {**vars(args), "launch": device.launch_text(args.launch)}
-    report = {"config": {k: v for k, v in config.items() if k not in ("out_dir", "child")}}
+    report: dict[str, Any] = {
+        "config": {k: v for k, v in config.items() if k not in ("out_dir", "child")}
+    }
     report["rows"] = rows
     if before is not None:
         report["comparison"] = compare(before, rows)
         _print_comparison(report["comparison"], args.compare)
     write_json(out, "roofline", report)
     _plot(rows, args.top, out / "roofline.png")
+    where = page.machine(f"one {args.target}")
+    page.publish(args, "roofline", argv, page.records(rows, COLUMNS), where=where)
     return 0 if all("error" not in r for r in rows) else 1
 
 

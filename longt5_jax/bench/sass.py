@@ -57,7 +57,7 @@ def tool(name: str) -> str:
             spec = None
         roots = (spec.submodule_search_locations or []) if spec else []
         wheel = [str(Path(root) / "bin" / name) for root in roots]
-    found = [path for path in wheel if Path(path).exists()] or [shutil.which(name)]
+    found = [path for path in wheel if Path(path).exists()] or [shutil.which(name) or ""]
     if not found[0]:
         raise UsageError(
             f"{name}: not found. nvdisasm: pip install --target DIR nvidia-cuda-nvdisasm==13.5.37 "
@@ -161,7 +161,7 @@ def occupancy(reading: dict, spec: str) -> dict:
     sms = field("core_count")
     return {
         "programs_per_sm": held,
-        "limited_by": min(limits, key=limits.get),
+        "limited_by": min(limits, key=lambda k: limits[k]),
         "occupancy": held * warps * 32 / field("threads_per_core_limit"),
         "waves": reading["programs"] / max(held * sms, 1),
     }

@@ -116,7 +116,9 @@ def markdown(points: list[dict]) -> str:
         rate = [f"{mine[g]['samples_per_s'][BOUNDS[0]]:.1f}" for g in gpus]
         efficiency = [f"{100 * mine[g]['efficiency'][BOUNDS[0]]:.1f}%" for g in gpus[1:]]
         memory = f"{mine[gpus[-1]]['memory']['total'] / 2**30:.1f}"
-        table.append([line[0], f"{line[1]} {line[2] // 1024}k", line[3], *rate, *efficiency, memory])
+        table.append(
+            [line[0], f"{line[1]} {line[2] // 1024}k", line[3], *rate, *efficiency, memory]
+        )
     return page.markdown(columns, table)
 
 
@@ -163,5 +165,5 @@ def _main(argv: list[str]) -> int:
     write_json(out, "scaling", {"config": config, "points": points})
     _plot(points, out / "scaling.png")
     where = page.machine(f"{args.nodes} nodes x {args.gpus_per_node} {target.name}")
-    page.publish("scaling", argv, markdown(points), out_dir=out, page=args.results, where=where)
+    page.publish(args, "scaling", argv, markdown(points), where=where)
     return 0

@@ -22,10 +22,10 @@ from pathlib import Path
 import jax
 
 from longt5_jax import cli
-from longt5_jax.bench import torch_reference
 from longt5_jax.bench import train_steps as ts
 from longt5_jax.bench.report import pyplot, save_figure, write_json
-from longt5_jax.estimate import flops
+from longt5_jax.estimate import flops, hlo
+from longt5_jax.formats import torch_reference
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
 
@@ -101,9 +101,9 @@ def _turn(step, settle: int) -> float:
     """One timed step after `settle` untimed ones.
 
     On this kind of machine (a VM), the first step after the other framework has run spends
-    several times the usual kernel time faulting in fresh memory (ours at 4k inputs: 2 s of
-    system time alone, 12.5 s right after a transformers step, the same million page faults),
-    whichever process that framework ran in. Settling keeps that out of both sides' figures.
+    several times the usual kernel time faulting in fresh memory (the same million page faults;
+    docs/journal.md, "On CPU"), whichever process that framework ran in. Settling keeps that out
+    of both sides' figures.
     """
     for _ in range(settle):
         step()
@@ -149,7 +149,7 @@ def scaling(config: LongT5Config, args: argparse.Namespace) -> list[dict]:
     rows = []
     for length in args.scaling_lengths:
         step = ts.OursStep(config, ts.features(config, args.batch_size, length, args.target_length))
-        memory = step.compiled.memory_analysis()
+        memory = hlo.memory(step.compiled)
         step()
         times, ref_times = [], []
         for _ in range(args.scaling_steps):
@@ -167,7 +167,7 @@ def scaling(config: LongT5Config, args: argparse.Namespace) -> list[dict]:
                     [t / r for t, r in zip(times, ref_times, strict=True)]
                 ),
                 "model_flops": _model_flops(config, args, length),
-                "temp_bytes": int(memory.temp_size_in_bytes),
+                "temp_bytes": memory.temporaries,
                 "full_attention_flops": full_attention_flops(config, args, length),
                 "full_attention_estimate_s": full_attention_flops(config, args, length) / ref_rate,
             }
@@ -182,7 +182,7 @@ def scaling(config: LongT5Config, args: argparse.Namespace) -> list[dict]:
             "reference_step_s": _spread(all_ref),
             "ratio_to_reference": _spread([1.0]),
             "model_flops": ref_flops,
-            "temp_bytes": int(reference.compiled.memory_analysis().temp_size_in_bytes),
+            "temp_bytes": hlo.memory(reference.compiled).temporaries,
             "full_attention_flops": full_attention_flops(config, args, args.scaling_reference),
             "full_attention_estimate_s": full_attention_flops(config, args, args.scaling_reference)
             / (ref_flops / statistics.median(all_ref)),
@@ -282,9 +282,10 @@ def _main(argv: list[str]) -> int:
     # Written before the scaling runs too: a long input that runs out of memory keeps the race.
     write_json(out, "speed", report)
     long_config = dataclasses.replace(config, remat=args.scaling_remat)
-    report["scaling"] = scaling(long_config, args) if args.scaling_lengths else []
-    if report["scaling"]:
-        _print_scaling(report["scaling"], args.scaling_reference)
+    scaling_rows = scaling(long_config, args) if args.scaling_lengths else []
+    report["scaling"] = scaling_rows
+    if scaling_rows:
+        _print_scaling(scaling_rows, args.scaling_reference)
     note = _plot(report, out)
     report["plot"] = note or "speed.png"
     write_json(out, "speed", report)

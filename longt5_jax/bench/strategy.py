@@ -32,7 +32,7 @@ from longt5_jax.estimate import cost, flops, hlo, targets
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.parallel.mesh import ParallelConfig
-from longt5_jax.training.experiment import Experiment
+from longt5_jax.training.experiment import Sizing
 from longt5_jax.training.step import StepConfig
 
 # name -> (data, tensor, pipeline, zero stage); pipelines run 2 x stages microbatches.
@@ -76,8 +76,8 @@ class _Run:
         data, tensor, pipe, zero = STRATEGIES[name]
         micro = 2 * pipe if pipe > 1 else 0
         self.parallel = ParallelConfig(data, tensor, pipe, zero, pipeline_microbatches=micro)
-        data = DataConfig(batch_size=args.batch_size)
-        Experiment(model=config, data=data, parallel=self.parallel, step=StepConfig()).check_fits(8)
+        sized = DataConfig(batch_size=args.batch_size)
+        Sizing(model=config, data=sized, parallel=self.parallel, step=StepConfig()).check_fits(8)
         self.name = name
         # The 8 devices stand for nodes of --gpus_per_node: laid out, and charged, as such.
         self.step = aot.sharded_step(config, self.parallel, per_node=args.gpus_per_node)

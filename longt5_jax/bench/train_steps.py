@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longt5_jax.bench import torch_reference
 from longt5_jax.bench.pipeline import random_batch
+from longt5_jax.formats import torch_reference
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig, make_mesh
 from longt5_jax.training.optim import OptimizerConfig, make_optimizer

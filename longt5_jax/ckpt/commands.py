@@ -7,6 +7,7 @@ this machine's memory and saved on any number of devices can still be inspected.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from longt5_jax.formats.native import (
     step_of,
     unreadable,
 )
+from longt5_jax.training.run_config import RunConfig
 
 
 def _size(path: Path) -> int:
@@ -60,15 +62,23 @@ def ls(model_dir: str | Path) -> list[dict]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSection:
+    """The one section `done` builds from a run's saved config."""
+
+    run: RunConfig
+
+
 def done(model_dir: str | Path) -> dict:
     """Whether the run in MODEL_DIR saved its last step (RunConfig.train_steps of the config it
     saved): what a job script asks before it requeues itself."""
     root = Path(model_dir)
     if not (root / "config.gin").is_file():
         raise CheckpointError(f"{root}: no config.gin (expected the MODEL_DIR of a started run)")
-    cfg, _ = configuration.from_args([f"--gin_file={root / 'config.gin'}"], ("run",))
+    cfg, _ = configuration.from_args([f"--gin_file={root / 'config.gin'}"], RunSection)
     steps = cfg.run.train_steps
-    saved = max((step_of(d) for d in step_dirs(root) if is_complete(d)), default=0)
+    complete = [step_of(d) for d in step_dirs(root) if is_complete(d)]
+    saved = max((s for s in complete if s is not None), default=0)  # (step_dirs' all are)
     return {"path": str(root), "saved": saved, "steps": steps, "ok": saved >= steps}
 
 
@@ -80,8 +90,9 @@ def tree(ckpt: str | Path) -> list[dict]:
     ]
 
 
-# Arrays restored together: one orbax restore an array cost 18 ms each (1.7 s for the demo's
-# 96 arrays, 0.2 s in one), and a bound keeps a checkpoint larger than memory readable.
+# Arrays restored together: one orbax restore an array costs a fixed overhead each (the demo's
+# 96 arrays: docs/journal.md, "Figures moved from the code"), and a bound keeps a checkpoint
+# larger than memory readable.
 BATCH_BYTES = 256 << 20
 
 
@@ -139,7 +150,8 @@ class Arrays:
     def batches(self, names: list[str] | None = None) -> Iterator[list[str]]:
         """`names` (every array's by default) in runs of up to BATCH_BYTES (a larger array
         alone)."""
-        run, size = [], 0
+        run: list[str] = []
+        size = 0
         for name in self.names if names is None else names:
             meta = self._metadata[self._index[name]]
             nbytes = math.prod(meta.shape) * np.dtype(meta.dtype).itemsize

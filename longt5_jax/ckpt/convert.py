@@ -176,7 +176,8 @@ def hf_to_native(src: str | Path, out: str | Path, tokenizer: str = "") -> tuple
     _fresh(out, src)  # before the work of reading the source
     tok = _read_tokenizer(tokenizer, hf_text.read_spiece(src), Path(src) / hf_text.SPIECE)
     config, params = hf.load(src)
-    proto = None if _fits(tok, config) is None else tok.proto
+    fitted = _fits(tok, config)
+    proto = None if fitted is None else fitted.proto
     out = write_native(out, config, params, f"transformers {Path(src).absolute()}", proto)
     return out, _note(tok, src)
 
@@ -188,7 +189,8 @@ def t5x_to_native(
     _fresh(out, src)
     tok = _read_tokenizer(tokenizer, None, Path(src))
     config, params = t5x.load(src, **overrides)
-    proto = None if _fits(tok, config) is None else tok.proto
+    fitted = _fits(tok, config)
+    proto = None if fitted is None else fitted.proto
     out = write_native(out, config, params, f"t5x {Path(src).absolute()}", proto)
     return out, _note(tok, src)
 

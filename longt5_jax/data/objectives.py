@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 SentinelIds = Callable[[int], int] | np.ndarray
 
@@ -120,12 +121,13 @@ def reconstruct_from_spans(
     bounds = np.flatnonzero(np.isin(targets, sentinels))
     ends = np.append(bounds[1:], targets.size)
     spans = {int(targets[b]): targets[b + 1 : e] for b, e in zip(bounds, ends, strict=True)}
-    pieces, start = [], 0
+    pieces: list[np.ndarray] = []
+    start = 0
     for pos in np.flatnonzero(np.isin(inputs, sentinels)):
         if int(inputs[pos]) not in spans:
             raise ValueError(f"sentinel {int(inputs[pos])} is in the inputs but not the targets")
         pieces += [inputs[start:pos], spans[int(inputs[pos])]]
-        start = pos + 1
+        start = int(pos) + 1
     pieces.append(inputs[start:])
     return np.concatenate(pieces).astype(np.int32)
 
@@ -175,7 +177,9 @@ def split_sentences(text: str) -> list[str]:
 # PEGASUS gap-sentence generation (pegasus/ops/sentence_selection.cc, pretrain_parsing_ops.cc).
 
 
-def _f1(overlap: np.ndarray, candidate_len: np.ndarray, reference_len: np.ndarray) -> np.ndarray:
+def _f1(
+    overlap: npt.ArrayLike, candidate_len: npt.ArrayLike, reference_len: npt.ArrayLike
+) -> np.ndarray:
     """ROUGE-N F1 from clipped overlaps and lengths, with PEGASUS's max(1, length) guards."""
     precision = overlap / np.maximum(candidate_len, 1)
     recall = overlap / np.maximum(reference_len, 1)

@@ -5,11 +5,13 @@ examples) -> this process's rows, padded or packed (data/stream.py) -> global ja
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
 
 import grain
 import jax
 import numpy as np
+import numpy.typing as npt
 
 from longt5_jax.data import DataError, batching, objectives
 from longt5_jax.data.aclsum import aclsum_source
@@ -25,10 +27,10 @@ class DataConfig:
     """What to read, how to turn it into examples, and how to batch them."""
 
     task: str = "aclsum"  # 'aclsum' (embedded) or 'files' (train_files / eval_files)
-    train_files: str = (
-        ""  # glob or comma-separated paths: .jsonl[.gz|.zst], .parquet, .array_record
-    )
-    eval_files: str = ""
+    # Globs or paths (.jsonl[.gz|.zst], .parquet, .array_record), in gin a list:
+    # ['a/*.jsonl', 'b.parquet'], or one alone as a string.
+    train_files: tuple[str, ...] = ()
+    eval_files: tuple[str, ...] = ()
     input_field: str = "article"
     target_field: str = "abstract"
     skip_bad_records: int = 0
@@ -50,6 +52,10 @@ class DataConfig:
     tokenizer_vocab_size: int = 8000
 
     def __post_init__(self):
+        # gin gives a list (or one string), kept as the tuple a frozen config holds.
+        for name in ("train_files", "eval_files"):
+            files = getattr(self, name)
+            object.__setattr__(self, name, (files,) if isinstance(files, str) else tuple(files))
         if self.objective not in ("summarization", "span_corruption", "gap_sentences"):
             raise ValueError(
                 f"DataConfig.objective={self.objective!r}: expected 'summarization', "
@@ -88,8 +94,7 @@ def open_split(cfg: DataConfig, split: str):
             f"DataConfig.{'train' if split == 'train' else 'eval'}_files is empty: "
             f"task 'files' needs paths for split {split!r}"
         )
-    paths = [p.strip() for p in files.split(",") if p.strip()]
-    return open_source(paths, cfg.input_field, cfg.target_field, cfg.skip_bad_records)
+    return open_source(list(files), cfg.input_field, cfg.target_field, cfg.skip_bad_records)
 
 
 class Preprocess(grain.transforms.RandomMap):
@@ -127,7 +132,8 @@ class Preprocess(grain.transforms.RandomMap):
         }
 
     def _sentences_within_budget(self, text: str) -> list[np.ndarray]:
-        out, used = [], 0
+        out: list[np.ndarray] = []
+        used = 0
         for sentence in objectives.split_sentences(text):
             ids = self.tokenizer.encode(sentence)
             if out and used + len(ids) > self.cfg.input_length - 1:
@@ -177,6 +183,28 @@ def make_dataset(
     )
 
 
-def global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, Any]:
-    """This process's rows -> global jax.Arrays laid out by `sharding` (batch on the first axis)."""
+class Batch(TypedDict):
+    """One step's T5X features as the pipeline yields them: this process's rows, [rows, length]
+    each (data/batching.py builds them; segment id 0 is padding)."""
+
+    encoder_input_tokens: npt.NDArray[np.int32]
+    encoder_segment_ids: npt.NDArray[np.int32]
+    encoder_positions: npt.NDArray[np.int32]
+    decoder_target_tokens: npt.NDArray[np.int32]
+    decoder_input_tokens: npt.NDArray[np.int32]
+    decoder_segment_ids: npt.NDArray[np.int32]
+    decoder_positions: npt.NDArray[np.int32]
+    decoder_loss_weights: npt.NDArray[np.float32]
+
+
+# A batch as the step reads it: Batch's features as global jax.Arrays (the model, which imports
+# nothing of the data, names the same keys).
+GlobalBatch = dict[str, jax.Array]
+
+
+def global_batch(
+    local: Batch | Mapping[str, npt.NDArray[Any]], sharding: jax.sharding.Sharding
+) -> GlobalBatch:
+    """This process's rows (a training Batch, or an evaluation's) -> global jax.Arrays laid out
+    by `sharding` (batch on the first axis)."""
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}

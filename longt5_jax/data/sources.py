@@ -361,7 +361,7 @@ def expand(paths: Paths) -> list[str]:
 
 
 def _infer_format(files: Sequence[str]) -> str:
-    formats = {}
+    formats: dict[str, str] = {}  # format -> its first file
     for path in files:
         name = path.lower()
         ext = next((e for e in _EXTENSIONS if name.endswith(e)), None)
@@ -385,12 +385,12 @@ def open_source(
     """Opens files (glob patterns allowed) as one source, inferring the format from extensions."""
     files = expand(paths)
     fmt = format or _infer_format(files)
+    source: JsonlSource | ParquetSource | ArrayRecordSource
     if fmt == "jsonl":
         source = JsonlSource(files, input_field, target_field, skip_bad_records)
     elif fmt == "parquet":
         source = ParquetSource(files, input_field, target_field, skip_bad_records)
-    elif fmt == "array_record":
-        # skip_bad_records does not apply: convert.py wrote only records that passed validation.
+    elif fmt == "array_record":  # no skip_bad_records: convert.py wrote only valid records
         source = ArrayRecordSource(files, input_field, target_field)
     else:
         raise DataError(f"unknown format {fmt!r} (formats: {', '.join(FORMATS)})")

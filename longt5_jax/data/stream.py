@@ -14,6 +14,8 @@ row order, so a batch is the same with any number of workers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grain
 import numpy as np
 from absl import flags
@@ -121,7 +123,7 @@ class GlobalRows:
         self.count = count
         self.workers, self.buffer = min(workers, share), buffer
         self.next = np.zeros(share, np.int64)
-        self._it = None
+        self._it: Iterator[dict[str, np.ndarray]] | None = None
 
     def position(self) -> list[int]:
         """The next example of each of this process's rows."""
@@ -145,7 +147,7 @@ class GlobalRows:
         self.close()
         self.next = np.asarray(state["next"], np.int64)[self.rows]
 
-    def _start(self):
+    def _start(self) -> Iterator[dict[str, np.ndarray]]:
         ds = _Rows(self.examples, self.rows, self.next, self.batch_size, self.lengths, self.pack)
         if self.workers <= 0:
             return iter(ds)
@@ -163,16 +165,16 @@ class GlobalRows:
     def __next__(self) -> dict[str, np.ndarray]:
         if self._it is None:
             self._it = self._start()
-        step = next(self._it) if self.workers <= 1 else self._gather()
+        step = next(self._it) if self.workers <= 1 else self._gather(self._it)
         if not step["inputs_segment_ids"].any():  # every row's epochs are over
             raise StopIteration
         self.next = step.pop("_next")
         return batching.to_features(step)
 
-    def _gather(self) -> dict[str, np.ndarray]:
+    def _gather(self, it: Iterator[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """One step from the workers: worker w holds rows w, w + W, ..., and grain hands out
         one element per worker in turn."""
-        parts = [next(self._it) for _ in range(self.workers)]
+        parts = [next(it) for _ in range(self.workers)]
         step = {}
         for k, first in parts[0].items():
             step[k] = np.empty((len(self.rows), *first.shape[1:]), first.dtype)

@@ -65,7 +65,8 @@ class Tokenizer:
     @property
     def special_pieces(self) -> tuple[str, str, str]:
         """The pieces of pad, eos and unk ('<pad>', '</s>', '<unk>' in T5's model)."""
-        return tuple(self._sp.id_to_piece(i) for i in (PAD_ID, EOS_ID, self._sp.unk_id()))
+        sp = self._sp
+        return sp.id_to_piece(PAD_ID), sp.id_to_piece(EOS_ID), sp.id_to_piece(sp.unk_id())
 
     @property
     def piece_count(self) -> int:
@@ -90,7 +91,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS, padding dropped, sentinels as <extra_id_i>."""
-        pieces, out = [], []
+        pieces: list[int] = []
+        out: list[str] = []
         for i in (int(i) for i in ids):
             if i == EOS_ID:
                 break

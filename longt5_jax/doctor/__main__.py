@@ -18,6 +18,7 @@ from longt5_jax.doctor.report import Row, fail, ok
 from longt5_jax.errors import UsageError
 from longt5_jax.parallel.devices import cpu_devices
 from longt5_jax.training import distributed
+from longt5_jax.training.experiment import Experiment
 
 FLAGS = ("--json", "--check_kernels")
 
@@ -77,7 +78,7 @@ def _config(argv: list[str]):
     """(the experiment, the flags given, why it cannot be built or '')."""
     given = {a for a in argv if a in FLAGS}
     try:
-        exp, _ = configuration.from_args(argv, flags=FLAGS)
+        exp, _ = configuration.from_args(argv, Experiment, flags=FLAGS)
     except UsageError as e:
         return None, given, " ".join(str(e).split())
     return exp, given, ""

@@ -173,7 +173,7 @@ def layer_check(model: LongT5Config) -> Row:
             "LongT5Config.attention_kernel='xla' (and report the failure)",
         )
     errors = kernel_checks.relative_errors(got, want, problem[1]["seg"][..., None] > 0)
-    worst = max(errors, key=errors.get)
+    worst = max(errors, key=lambda k: errors[k])
     detail = (
         f"tiny {model.attention} layer {how} in {dtype}, forward and backward against "
         f"XLA's attention: largest relative error {errors[worst]:.1e} ({worst})"

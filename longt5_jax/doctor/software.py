@@ -8,7 +8,6 @@ import platform
 import sys
 
 import jax
-from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
@@ -29,11 +28,11 @@ def pins() -> dict[str, SpecifierSet]:
     """Each tested package's specifier for this Python, from longt5_jax's metadata (its core
     dependencies; an extra's pins where that extra names the package)."""
     found: dict[str, SpecifierSet] = {}
-    environment = default_environment()
     for text in metadata.requires("longt5_jax") or []:
         req = Requirement(text)
         name = req.name.lower()
-        core = req.marker is None or req.marker.evaluate({**environment, "extra": ""})
+        # This environment with no extra selected: a core dependency's marker.
+        core = req.marker is None or req.marker.evaluate({"extra": ""})
         if name in PACKAGES and core:
             found[name] = found.get(name, SpecifierSet()) & req.specifier
     return found
@@ -47,7 +46,9 @@ def rows() -> list[Row]:
     """Python, the tested packages and the CUDA plugins."""
     out = []
     python = platform.python_version()
-    needed = SpecifierSet(metadata.metadata("longt5_jax").get("Requires-Python") or "")
+    ours = metadata.metadata("longt5_jax")  # typed as PackageMetadata, which has no `get`
+    pinned = ours["Requires-Python"] if "Requires-Python" in ours else ""  # noqa: SIM401
+    needed = SpecifierSet(pinned)
     if python in needed:
         out.append(ok("software", "python", f"{python} ({sys.executable}; tested {needed})"))
     else:

@@ -142,7 +142,7 @@ def _files_rows(exp: Experiment, field: str) -> list[Row]:
             return [ok("storage", name, "none (no evaluation data)")]
         return [fail("storage", name, "empty", f"set {name} to the run's data files")]
     rows = []
-    for pattern in (p.strip() for p in given.split(",") if p.strip()):
+    for pattern in given:
         try:
             for path in expand([pattern]):
                 source = open_source([path], exp.data.input_field, exp.data.target_field)

@@ -19,7 +19,7 @@ from longt5_jax.estimate import comm_model, cost, flops, memory_model
 from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.model import LongT5Config
 from longt5_jax.model.config import REMAT_POLICIES
-from longt5_jax.parallel.mesh import OFFLOADS, ParallelConfig
+from longt5_jax.parallel.mesh import OFFLOADS, Offload, ParallelConfig
 from longt5_jax.training.step import StepConfig
 
 
@@ -41,7 +41,7 @@ class Candidate:
     repeats: int
     remat: str
     batch_size: int
-    offload: str = "none"  # ParallelConfig.offload
+    offload: Offload = "none"  # ParallelConfig.offload
     scan_layers: bool = True  # LongT5Config.scan_layers
 
     def mesh(self) -> ParallelConfig:
@@ -99,7 +99,7 @@ def enumerate_candidates(
     devices: int,
     gpus_per_node: int,
     batch_sizes: list[int],
-    offloads: tuple[str, ...] = OFFLOADS,
+    offloads: tuple[Offload, ...] = OFFLOADS,
 ) -> list[Candidate]:
     """Every configuration that divides the model, the batch and the devices, with each of
     `offloads`.
@@ -108,8 +108,8 @@ def enumerate_candidates(
     splits the state over data alone, so with one data rank only ZeRO-0 (the other stages are
     the same program). Without a pipeline each candidate comes unrolled, then scanned: the
     analytic models cannot tell them apart, and at base 16k the unrolled layers moved fewer
-    bytes under each remat policy compiled (no scan's copies of saved activations; x 2 on an
-    H100 without remat 132.5 against 236.2 GB a step, docs/benchmarks.md), so among equals they
+    bytes under each remat policy compiled (no scan's copies of saved activations; base 16k x 2
+    on an H100 without remat, docs/journal.md), so among equals they
     are compiled first and the compiled programs decide.
     """
     out, remats = [], planned_remat(config)
@@ -160,7 +160,7 @@ def state_bytes(c: Candidate, shapes: ModelShapes) -> dict[str, float]:
         # A circular schedule reads its layers stage-major (`pipeline.stage_major`, an
         # all-to-all of the shards as held): the encoder's reordered copy is live through the
         # encoder's backward pass, where the step peaks; the decoder's is gone by then (XLA's
-        # live ranges of an xl 16k p2 m8 r2 step for A100s: 2.3 GB, a stage's encoder layers).
+        # live ranges of an xl 16k p2 m8 r2 step for A100s hold a stage's encoder layers).
         reordered = shapes.sharded_bytes(sizes, "params", zero, stack="encoder")
     if c.offload == "none":
         return {"device": params + opt + grads + reordered, "host": 0.0}
@@ -183,9 +183,9 @@ def host_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> fl
 
 def update_seconds(c: Candidate, shapes: ModelShapes, cluster: cost.Cluster) -> float:
     """The optimizer update's HBM time a step: it reads the gradients, parameters and optimizer
-    state of the shard it updates and writes the last two back, memory-bound (on an H200 at xl
-    4k x 1 the AdamW update took 24.1 ms of a 178 ms step, about 7 GB a [24, 2048, 5120] stack
-    in 2.2 ms: HBM's bandwidth, docs/benchmarks.md). It is paid once a step whatever the batch,
+    state of the shard it updates and writes the last two back, memory-bound (at HBM's
+    bandwidth on an H100 at xl 4k x 1: docs/journal.md, "Where xl 4k's step goes"). It is paid
+    once a step whatever the batch,
     so it is what makes larger batches faster per sample on a few GPUs, where no gradient
     reduction does. Offloaded, it runs on the host, from memory slower than HBM: charged the
     same, a lower bound there, so that offload never gains by it (its copies are

@@ -38,6 +38,7 @@ from longt5_jax.estimate.hlo import KINDS, ring_bytes
 from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.parallel.pipeline import Pipeline
+from longt5_jax.parallel.rules import Use
 from longt5_jax.training.step import StepConfig
 
 Volumes = dict[str, dict[str, float]]  # kind -> mesh axis -> bytes per device per step
@@ -182,8 +183,8 @@ def _tensor_parallel(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
     for kind in ("reduce-scatter", "all-gather"):
         _add(out, kind, "tensor", layers + head, t)
     if remat != "full":  # the backward gathers each sublayer's input again (kept split)
-        again = c.num_encoder_layers * 2 * s.length + c.num_decoder_layers * 3 * s.target
-        _add(out, "all-gather", "tensor", rows * d * b * stage * again, t)
+        regathered = c.num_encoder_layers * 2 * s.length + c.num_decoder_layers * 3 * s.target
+        _add(out, "all-gather", "tensor", rows * d * b * stage * regathered, t)
     # Tokens split over tensor: TGlobal's block sums, and the side bias per token, regroup.
     if c.attention == "transient-global":
         g = s.length // c.global_block_size
@@ -215,7 +216,7 @@ def _pipeline(out: Volumes, shapes: ModelShapes, s: Layout) -> None:
     if s.repeats > 1:
         sizes = {"data": s.data, "tensor": s.tensor, "pipeline": p}
 
-        def stage(use: str) -> float:  # a stage's weights as stored for `use` (ZeRO splits)
+        def stage(use: Use) -> float:  # a stage's weights as stored for `use` (ZeRO splits)
             return sum(
                 leaf.size / shapes.split(leaf, sizes, use, s.zero_stage, True)
                 for leaf in shapes.leaves

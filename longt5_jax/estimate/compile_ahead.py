@@ -19,22 +19,23 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from longt5_jax.data.batching import FEATURES
+from longt5_jax.data.pipeline import GlobalBatch
 from longt5_jax.estimate import cost, hlo, hlo_module, roofline, targets
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig, compile_only, make_mesh, node_of
-from longt5_jax.training.step import Batch, ShardedStep, StepConfig
+from longt5_jax.training.step import ShardedStep, StepConfig
 
 
 def abstract_batch(
     step: ShardedStep, batch_size: int, input_length: int, target_length: int
-) -> Batch:
+) -> dict[str, jax.ShapeDtypeStruct]:
     """A batch of the eight T5X features as sharded ShapeDtypeStructs."""
 
     def one(name: str) -> jax.ShapeDtypeStruct:
@@ -75,15 +76,17 @@ def compile_step(
     device = step.mesh.devices.flat[0]
     deviceless = compile_only(device)
     with _persistent_cache(not deviceless):
-        lowered = step.lower(state, batch, rng)
+        # Lowering traces the step from the batch's shapes and shardings alone.
+        lowered = step.lower(state, cast(GlobalBatch, batch), rng)
         return lowered.compile(_kernel_cache(device.device_kind) if deviceless else None)
 
 
-def _kernel_cache(device_kind: str) -> dict[str, str] | None:
+def _kernel_cache(device_kind: str) -> dict[str, str | bool] | None:
     """XLA's GPU kernel cache for the deviceless compiles of this process: most of such a
     compile is generating and assembling kernels the analysis never runs, and the layouts a
     planner or benchmark compiles share most of them (the tiny model's DP32 at ZeRO 1-3
-    after ZeRO-0: 8 s -> 4 s each). One file per process and GPU kind, never shared between
+    after ZeRO-0 compile in half the time: docs/parallelism.md). One file per process and GPU
+    kind, never shared between
     processes (XLA rewrites it whole after each compile); a kernel cache file named in
     XLA_FLAGS is left to rule."""
     if "xla_gpu_kernel_cache_file" in os.environ.get("XLA_FLAGS", ""):

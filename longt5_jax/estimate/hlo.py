@@ -139,9 +139,10 @@ class Collective:
 
 def _operand_bytes(comp: Computation, instr: Instr) -> int | None:
     sizes = [comp.types.get(o) for o in instr.operands]
-    if not sizes or any(s is None for s in sizes):
+    known = [s for s in sizes if s is not None]
+    if not sizes or len(known) < len(sizes):
         return None
-    return sum(shape_bytes(s) for s in sizes)
+    return sum(shape_bytes(s) for s in known)
 
 
 def _payload(kind: str, comp: Computation, instr: Instr, size: int) -> int:
@@ -166,6 +167,7 @@ def collectives(hlo: str | Module) -> list[Collective]:
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
+            groups: tuple[tuple[int, ...], ...] | None
             if kind == "collective-permute":
                 groups = _pairs(instr.attrs)
                 size = 2 if groups else 1

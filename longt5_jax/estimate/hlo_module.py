@@ -202,12 +202,13 @@ class Module:
         if counted is not None:
             return counted
         consts = [self._constant(cond, i.name) for i in cond.instrs if i.opcode == "constant"]
-        consts = [c for c in consts if c is not None]
-        return consts[0] if len(consts) == 1 else 1
+        known = [c for c in consts if c is not None]
+        return known[0] if len(known) == 1 else 1
 
     def _counted_loop(self, instr: Instr, cond: Computation) -> int | None:
         """`i < bound` (or <=) on tuple element k, k starting at a constant: the trip count."""
-        compare, where = cond.root, cond
+        compare = cond.root
+        where: Computation | None = cond
         if compare.opcode == "fusion":
             where = self.computations.get(compare.attrs.split("calls=%", 1)[-1].split(",")[0])
             compare = where.root if where else compare

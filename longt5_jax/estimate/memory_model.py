@@ -49,7 +49,7 @@ CALIBRATION = {
 # The worst |estimate / compiled - 1| of that fit over each grid (27 compiles with XLA's
 # attention, 29 with the kernels) as the pinned jax compiles them: the error a planner's
 # estimate carries. Another compiler makes other programs: jax 0.12.0.1's (Python 3.12) are
-# mostly smaller, and the same coefficients are within 18.1% and 27.1% of them.
+# mostly smaller, and the same coefficients are further from them (docs/parallelism.md).
 WORST_ERROR = {"xla": 0.090, "pallas": 0.191}
 CALIBRATED_ON = "0.10.2"  # the jax whose compiles the coefficients were fitted to
 

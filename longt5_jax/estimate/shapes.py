@@ -12,7 +12,7 @@ import numpy as np
 
 from longt5_jax.formats.keypath import path_text
 from longt5_jax.model import LongT5, LongT5Config, abstract_params
-from longt5_jax.parallel.rules import rules
+from longt5_jax.parallel.rules import Use, rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +64,10 @@ class ModelShapes:
         return cls(config, leaves, opt_bytes / sum(4 * leaf.size for leaf in leaves))
 
     def split(
-        self, leaf: Leaf, sizes: dict[str, int], use: str, zero_stage: int, pipelined: bool
+        self, leaf: Leaf, sizes: dict[str, int], use: Use, zero_stage: int, pipelined: bool
     ) -> int:
         """How many ways the rule table splits `leaf` for `use` on a mesh of `sizes`."""
-        table = dict(rules(use, zero_stage, pipelined=pipelined))
+        table: dict[str | None, str | None] = dict(rules(use, zero_stage, pipelined=pipelined))
         used, split = set(), 1
         for dim, axis in zip(leaf.shape, leaf.axes, strict=True):
             mesh_axis = table.get(axis)
@@ -79,7 +79,7 @@ class ModelShapes:
     def sharded_bytes(
         self,
         sizes: dict[str, int],
-        use: str,
+        use: Use,
         zero_stage: int,
         itemsize: int = 4,
         stack: str | None = None,

@@ -165,7 +165,9 @@ def prepare_environment() -> None:
     """Set the deviceless variables; call before jax's backend starts."""
     for key, value in DEVICELESS_ENV.items():
         os.environ.setdefault(key, value)
-    if not jax.config.jax_platforms:  # jax read JAX_PLATFORMS when it was imported
+    # jax read JAX_PLATFORMS when it was imported. (Its Config sets its options as attributes
+    # at run time; its type declares none.)
+    if not jax.config.jax_platforms:  # type: ignore[attr-defined]
         jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 

@@ -48,10 +48,11 @@ def damaged(where: Path, step_dir: Path, why: str) -> CheckpointError:
     return DamagedCheckpoint(f"{where}: {why}")
 
 
-def unreadable(e: Exception) -> str:
+def unreadable(e: BaseException) -> str:
     """One line for a read error: tensorstore's own reason (it names the array), not orbax's."""
-    while e.__cause__ is not None or e.__context__ is not None:
-        e = e.__cause__ or e.__context__
+    cause = e.__cause__ or e.__context__
+    while cause is not None:
+        e, cause = cause, cause.__cause__ or cause.__context__
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return f"unreadable: truncated or corrupt ({first[:300]})"
 
@@ -69,7 +70,9 @@ def quiet_failed_reads() -> None:
         if not any(text in str(u.exc_value) for text in abandoned):
             previous(u)
 
-    hook.quiet_failed_reads = True
+    # A mark on the hook itself: a test runner swaps the hook in force (mypy models no
+    # function attributes).
+    hook.quiet_failed_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(
         lambda r: "exception was never retrieved" not in r.getMessage()

@@ -96,7 +96,8 @@ def _t5x_shape(kind: str, shape: Shape) -> Shape:
 
 def _expected(config: LongT5Config) -> dict[str, tuple[str, int | None, Shape]]:
     """T5X name -> (our path, layer index or None, T5X shape), layers in order."""
-    shapes, out = _shapes(config), {}
+    shapes = _shapes(config)
+    out: dict[str, tuple[str, int | None, Shape]] = {}
     for ours, theirs, kind in name_table(config):
         if "{i}" in theirs:
             for i in range(shapes[ours][0]):
@@ -133,13 +134,16 @@ def to_t5x(config: LongT5Config, params: Params, source: str = "params") -> dict
 
 def from_t5x(config: LongT5Config, arrays: dict[str, np.ndarray]) -> Params:
     """T5X `target` arrays of the right names and shapes -> our tree of float32 numpy arrays."""
-    shapes, flat = _shapes(config), {}
+    shapes = _shapes(config)
+    flat: dict[str, np.ndarray | list[np.ndarray]] = {}  # a stack's layers, until stacked
     for name, (path, i, _) in _expected(config).items():
         x = np.asarray(arrays[name], np.float32)
         if i is None:
             flat[path] = x.reshape(shapes[path])
         else:  # `_expected` lists a stack's layers in order
-            flat.setdefault(path, []).append(x.reshape(shapes[path][1:]))
+            layers = flat.setdefault(path, [])
+            assert isinstance(layers, list)  # a path is a stack's or not
+            layers.append(x.reshape(shapes[path][1:]))
     flat = {p: np.stack(x) if isinstance(x, list) else x for p, x in flat.items()}
     return flax.traverse_util.unflatten_dict(flat, sep="/")
 
@@ -240,7 +244,7 @@ def _read_target(root: Path, flat: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """'/'-joined paths to leaves; a tensorstore spec dict is a leaf, as in T5X."""
-    flat = {}
+    flat: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict) and not {"driver", "kvstore"} & v.keys():
             flat |= _flatten(v, f"{prefix}{k}/")

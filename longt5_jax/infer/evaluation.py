@@ -99,7 +99,7 @@ def predict(
     progress: Callable[[int], None] | None = None,
 ) -> list[np.ndarray]:
     """Decoded token ids of each example; `generate(ids, mask)` takes this process's rows."""
-    out = []
+    out: list[np.ndarray] = []
     for start, batch in zip(
         range(0, len(examples), batch_size), _batches(examples, cfg, batch_size), strict=True
     ):

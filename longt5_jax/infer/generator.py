@@ -66,11 +66,13 @@ class Generator:
         self.model = for_devices(self.model, self.mesh)
         self.rows = NamedSharding(self.mesh, PartitionSpec("data"))
 
-    def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: jax.Array | None = None):
+    def __call__(
+        self, ids: np.ndarray, mask: np.ndarray, rng: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """([B, length] tokens, [B] scores) for this process's rows `ids`, `mask` [b, L]."""
-        ids, mask = (jax.make_array_from_process_local_data(self.rows, x) for x in (ids, mask))
+        rows, masks = (jax.make_array_from_process_local_data(self.rows, x) for x in (ids, mask))
         with activation_context(self.mesh, self.parallel):
-            return generate(self.model, self.params, ids, mask, self.decode, self.length, rng)
+            return generate(self.model, self.params, rows, masks, self.decode, self.length, rng)
 
     def tokens(self, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
         return self(ids, mask)[0]

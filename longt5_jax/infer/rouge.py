@@ -24,7 +24,7 @@ def rouge(references: Sequence[str], predictions: Sequence[str], seed: int = 0) 
         raise ValueError(f"{len(references)} references but {len(predictions)} predictions")
     if not references:
         raise ValueError("ROUGE of no examples")
-    # rouge-score pulls in nltk and scipy (1.6 s): imported when a score is asked for, so that
+    # rouge-score pulls in nltk and scipy (slow): imported when a score is asked for, so that
     # training without a ROUGE eval and every other command start without it.
     from rouge_score import rouge_scorer, scoring
 

@@ -35,7 +35,7 @@ a GPU (`tests/test_long_attention_kernel.py` shows both). `bench kernels` then t
 GPU (a new kind of layer: its case in `kernel_checks.parse_case` and `case_problem`, its kernels'
 prefix in `bench/kernels.py`'s `family`), `bench sass` reads its registers, `bench roofline`
 its bytes. Files a new kernel touches: its module (and its tiles' if they are many), `launch`,
-`interface`, the model's attention module, its test file, and docs/benchmarks.md's kernels
+`interface`, the model's attention module, its test file, and docs/journal.md's kernels
 section for what it measured.
 
 The backend seam: `interface.resolve` makes `attention_kernel="auto"` concrete per device and

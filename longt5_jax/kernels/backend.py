@@ -4,9 +4,11 @@ the backend seam (see the package map, `longt5_jax.kernels`)."""
 from __future__ import annotations
 
 import re
+from types import ModuleType
 
 import jax.numpy as jnp
 
+plgpu: ModuleType | None
 try:  # Pallas' Triton backend, which the kernels are written for (deprecated in jax 0.11)
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # a jax without it: `interface.resolve` takes XLA's attention
@@ -18,10 +20,9 @@ KERNELS_SINCE = 8
 
 
 # float32 kernels only from 9.0 (Hopper) on. For 8.x, ptxas (CUDA 12.9 and 13.5, -O3) gives
-# the backward kernels of every family 32 registers and spills the rest: base TGlobal's dq
-# moves 9.5 KB of local memory a thread for each chunk of side keys, its side gradient 24 KB a
-# query block, where bfloat16's and an H100's float32 loops keep theirs in registers (`bench
-# sass`'s local column, docs/benchmarks.md).
+# the backward kernels of every family 32 registers and spills the rest into local memory in
+# every loop, where bfloat16's and an H100's float32 loops keep theirs in registers (`bench
+# sass`'s local column; docs/journal.md, "float32 on an A100").
 WIDE_SINCE = 9
 
 

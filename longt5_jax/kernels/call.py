@@ -26,6 +26,7 @@ def call(kernel, name: str, *, flops: int, grid, in_specs, out_specs, out_shape)
         raise ValueError(f"kernel {name!r} is not one of launch.KERNELS")
 
     def build(interpret: bool, wide: bool):
+        params = None if plgpu is None else plgpu.CompilerParams(**launch_of(name, wide))
         kernel_call = pl.pallas_call(
             kernel,
             out_shape=out_shape,
@@ -33,7 +34,7 @@ def call(kernel, name: str, *, flops: int, grid, in_specs, out_specs, out_shape)
             in_specs=in_specs,
             out_specs=out_specs,
             interpret=interpret,
-            compiler_params=plgpu and plgpu.CompilerParams(**launch_of(name, wide)),
+            compiler_params=params,
             name=f"{name}.flops_{flops}",
         )
 
@@ -57,8 +58,8 @@ def call(kernel, name: str, *, flops: int, grid, in_specs, out_specs, out_shape)
 
 # What a kernel's backward reads from its forward beside its inputs: the output and the
 # log-sum-exp, named for the remat policies that keep them ("save_attention", "save_dots").
-# Recomputed, they cost a forward kernel again (on an H100 at base 16k, 12 x 1.2 ms of a 178
-# ms step); kept, a [B, L, H, K] bfloat16 and a [B, H, L] float32 array a layer.
+# Recomputed, they cost a forward kernel again (docs/journal.md, "Keeping the kernels' outputs
+# under remat"); kept, a [B, L, H, K] bfloat16 and a [B, H, L] float32 array a layer.
 SAVED = "attention_kernel_outputs"
 
 

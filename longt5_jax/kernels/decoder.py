@@ -229,7 +229,8 @@ def _placed(tl: Tiles, run, records: tuple, outs: tuple):
     rows = placement.ROWS
     inputs = Inputs(q=rows, k=rows, v=rows, mask=("batch", None, None), bias=bias)
     residuals = Residuals(o=rows, lse=_STAT, do=rows)
-    axes = (inputs, residuals)[: len(records) - 1] + (Drop._make(DROP_AXES),)
+    axes: tuple[Inputs | Residuals | Drop, ...] = (inputs, residuals)[: len(records) - 1]
+    axes += (Drop._make(DROP_AXES),)
 
     def on_shard(shards: tuple):
         q = shards[0].q
@@ -293,6 +294,6 @@ def attention(
         bias = jnp.zeros((1, 1, 1), jnp.float32)
     else:
         bias = call.pad(bias_HTS.astype(jnp.float32), {1: tp, 2: sp})
-    drop = Drop.of(dropout[0], dropout[1], h) if rate else None
+    drop = Drop.of(dropout[0], dropout[1], h) if dropout and rate else None
     x = Inputs(q=q, k=keys, v=values, mask=mask, bias=bias)
     return _attention(tl, x, drop)[:, :t]

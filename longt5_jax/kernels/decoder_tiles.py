@@ -4,7 +4,7 @@ over [B, T, H, K] arrays and each kernel's operands by name. Letter key as `deco
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,8 @@ from jax.experimental import pallas as pl
 
 from longt5_jax.kernels import launch, placement
 from longt5_jax.kernels.dropout import Drop
+
+T = TypeVar("T")  # what a record holds: arrays, or their logical axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Tiles:
         split = self.s > self.t and (self.s // self.tk) % parts == 0
         return dataclasses.replace(self, parts=parts if split else 1)
 
-    def key_tiles(self, part) -> tuple:
+    def key_tiles(self, part) -> tuple[Any, Any]:
         """The first and the end key tile of `part` (a program id)."""
         per = self.s // self.tk // self.parts
         return part * per, (part + 1) * per
@@ -109,22 +111,22 @@ def out_stat(tl: Tiles) -> pl.BlockSpec:
     )
 
 
-class Inputs(NamedTuple):
-    """The attention's inputs, padded to whole tiles."""
+class Inputs(NamedTuple, Generic[T]):
+    """The attention's inputs, padded to whole tiles (or their logical axes)."""
 
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    mask: jax.Array
-    bias: jax.Array
+    q: T
+    k: T
+    v: T
+    mask: T | None  # None as a gradient: the mask has none
+    bias: T
 
 
-class Residuals(NamedTuple):
-    """What the backward takes beside the inputs."""
+class Residuals(NamedTuple, Generic[T]):
+    """What the backward takes beside the inputs (or their logical axes)."""
 
-    o: jax.Array
-    lse: jax.Array
-    do: jax.Array
+    o: T
+    lse: T
+    do: T
 
 
 class Forward(NamedTuple):

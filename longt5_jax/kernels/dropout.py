@@ -3,13 +3,17 @@ kernel; a kernel's dropout inputs and its dropped-out gradient."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from longt5_jax.kernels import call
+
+# What a kernel's record holds: its arrays, their block specs, their logical axes or their refs.
+T = TypeVar("T")
 
 
 def _int32(x: int) -> np.int32:
@@ -50,33 +54,34 @@ def dropout_scale(seed, row, head, *, query, key, rate: float) -> jax.Array:
     return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
 
 
-class Drop(NamedTuple):
+class Drop(NamedTuple, Generic[T]):
     """Attention dropout's inputs to a kernel (`attention_keep`)."""
 
-    seed: jax.Array  # [1] int32, the layer's
-    rows: jax.Array  # [B] int32, global row ids
-    heads: jax.Array  # [H] int32, global head ids (a device holds some heads)
+    seed: T  # [1] int32, the layer's
+    rows: T  # [B] int32, global row ids
+    heads: T  # [H] int32, global head ids (a device holds some heads)
 
     @classmethod
-    def of(cls, seed: jax.Array, rows: jax.Array, heads: int) -> Drop:
+    def of(cls, seed: jax.Array, rows: jax.Array, heads: int) -> Drop[jax.Array]:
         """A layer's int32 seed, the rows' global ids and the call's `heads` (all global)."""
         seed = jnp.reshape(seed, (1,)).astype(jnp.int32)
-        return cls(seed, rows.astype(jnp.int32), jnp.arange(heads, dtype=jnp.int32))
+        return Drop(seed, rows.astype(jnp.int32), jnp.arange(heads, dtype=jnp.int32))
 
 
 DROP_AXES = [(None,), ("batch",), ("heads",)]
 
 
-def whole_drop(drop: Drop | None) -> Drop | None:
+def whole_drop(drop: Drop | None) -> Drop[pl.BlockSpec] | None:
     """The dropout's block specs (its arrays whole), None without dropout."""
     return None if drop is None else Drop(call.whole(), call.whole(), call.whole())
 
 
-def drop_scale(rate: float, drop: Drop | None, b, h, *, queries, keys):
+def drop_scale(rate: float, drop: Drop[Any] | None, b, h, *, queries, keys):
     """[Q, C] dropout scale of `queries` x `keys` (token positions) of row b, head h, from the
     `drop` refs, or None without dropout."""
     if not rate:
         return None
+    assert drop is not None  # a kernel takes the dropout's refs wherever its rate is set
     row, head = drop.rows[b], drop.heads[h]
     return dropout_scale(
         drop.seed[0], row, head, query=queries[:, None], key=keys[None, :], rate=rate

@@ -77,7 +77,9 @@ def _forward(geo: Geometry, x: Inputs, extras: Extras):
     local, local_specs = tiles.local_operands(geo, x)
     side_ops = side_specs = None
     if geo.g:
+        assert extras.side is not None  # geo.g counts the side keys
         side_ops, side_specs = tiles.side_operands(geo, extras.side, extras.gq)
+    assert x.seg is not None  # only a gradient lacks the segment ids
     b, length = x.seg.shape
     (out,) = call.call(
         functools.partial(_fwd_kernel, geo),
@@ -140,7 +142,9 @@ def _optional(extras: Extras) -> tuple[list, list]:
 
 def _unpack(geo, rest) -> Extras:
     """The optional inputs back from `_optional`'s arrays on a device."""
-    side = gq = drop = None
+    side: Side | None = None
+    gq: jax.Array | None = None
+    drop: Drop | None = None
     if geo.g:
         side = Side(
             k_BGHK=rest[0], v_BGHK=rest[1], bias_HD=rest[2], block_ids=None,
@@ -190,6 +194,7 @@ def _attention_bwd(geo: Geometry, saved, do):
     axes = [placement.ROWS] * 3 + [("batch", None), ("heads", None, None), placement.ROWS, _STAT]
     axes += [placement.ROWS, *extra_axes]
     # The bias tables' gradients lack `batch`: the placement sums them over the rows' devices.
+    outs: tuple[tuple[str | None, ...], ...]
     outs = (placement.ROWS, placement.ROWS, placement.ROWS, ("heads", None, None))
     if extras.side is not None:
         outs += (placement.ROWS, placement.ROWS, ("heads", None))
@@ -231,6 +236,9 @@ def encoder_attention(
     seg = call.pad(segment_ids.astype(jnp.int32), {1: lp})
     gq = drop = None
     if geo.g:
+        # geo.g counts the side keys, which come with each token's global block
+        assert side is not None and side.block_ids is not None
+        assert side.global_segment_ids is not None
         gq = call.pad(side.block_ids.astype(jnp.int32), {1: lp}, -1)
         side = Side(
             k_BGHK=call.pad(side.k_BGHK, {1: geo.side_padded}),
@@ -244,6 +252,7 @@ def encoder_attention(
     else:
         side = None
     if geo.rate:
+        assert dropout is not None  # geo.rate is dropout's
         drop = Drop.of(dropout[0], dropout[1], geo.heads)
     bias = local_bias_HWX.astype(jnp.float32)
     x = Inputs(q=q, k=k, v=v, seg=seg, bias=bias)

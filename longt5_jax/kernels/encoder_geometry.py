@@ -18,8 +18,10 @@ class Side(NamedTuple):
     k_BGHK: jax.Array
     v_BGHK: jax.Array
     bias_HD: jax.Array  # [H, 2G] float32 side bias by distance g - block_id + G - 1
-    block_ids: jax.Array  # [B, L] int32, the global block of each token (-1: none)
-    global_segment_ids: jax.Array  # [B, G] int32
+    # [B, L] int32, the global block of each token (-1: none); None once the call has padded
+    # it apart (`encoder.Extras.gq`) and in the gradient
+    block_ids: jax.Array | None
+    global_segment_ids: jax.Array | None  # [B, G] int32; None in the gradient
 
 
 class Inputs(NamedTuple):
@@ -29,7 +31,7 @@ class Inputs(NamedTuple):
     q: jax.Array
     k: jax.Array
     v: jax.Array
-    seg: jax.Array
+    seg: jax.Array | None  # None in the gradient: segment ids have none
     bias: jax.Array
 
 

@@ -1,6 +1,6 @@
 """Triton's launch settings of each kernel by name (warps, pipelining stages, how a program's
 work is split, keys a tile), and the names every kernel goes by. What each setting measured is
-in docs/benchmarks.md (the kernels' section)."""
+in docs/journal.md (the kernels' section)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import fnmatch
 
 # Triton's warps and software-pipelining stages by kernel name (fnmatch patterns, first match
 # wins), timed on an H100 and an H200 (`bench kernels --launch`; the figures are in
-# docs/benchmarks.md, "Launch settings"). An optional fourth number splits the work of a program
+# docs/journal.md, "Launch settings"). An optional fourth number splits the work of a program
 # of the forward and dq into that many (1 if not given): the encoder's query blocks
 # (`encoder_geometry.Geometry.splits`), the decoder's cross-attention keys
 # (`decoder_tiles.Tiles.split`). An optional fifth caps an encoder kernel's keys a tile and

@@ -40,8 +40,8 @@ def select_sum(onehot, x, into=None):
 def select_sum_t(x, onehot):
     """x.T @ onehot, float32-exact as `select_sum`: a [W, C] tile's rows summed by the one-hot's
     [W, U] columns with C, not U << 64, as the matmul's rows (a warpgroup's 64). The side
-    gradient's loop took 1,244 instructions a query block with onehot.T @ x, 1,056 so (SASS,
-    sm_90a, base TGlobal 16k; with `exp_minus` 1,026, and 1.73 -> 1.66 ms a layer on an H100)."""
+    gradient's loop takes fewer instructions so than with onehot.T @ x (SASS, sm_90a, base
+    TGlobal 16k; docs/journal.md, "Fewer instructions, same time")."""
     hi, mid, lo = _terms(x)
     return dot(hi.T, onehot) + dot(mid.T, onehot) + dot(lo.T, onehot)
 
@@ -66,6 +66,7 @@ def exp(x):
     x = x * LOG2E
     if not TRITON.get():
         return jnp.exp2(x)
+    assert plgpu is not None  # TRITON is set only where the backend is (`call.call`)
     return plgpu.elementwise_inline_asm(
         "ex2.approx.ftz.f32 $0, $1;",
         args=[x],
@@ -81,12 +82,13 @@ LOG2E = 1.4426950408889634
 def exp_minus(x, row):
     """e^(x - row[:, None]) as 2^(x log2 e - row log2 e): on a GPU one FFMA and one MUFU.EX2 an
     element, where the difference and then its scaling were an FADD and an FMUL (nvcc contracts
-    them; Triton's PTX here did not: SASS, sm_90a; the kernels' times on an H100 stayed within
-    1%, as they wait on latency, not on issue). Exact where the two roundings could differ most:
+    them; Triton's PTX here did not: SASS, sm_90a; the kernels' times on an H100 stayed as they
+    were, as they wait on latency, not on issue). Exact where the two roundings could differ most:
     x = row = NEG (a row that has seen only invalid keys) gives 2^0, as NEG log2 e is a float32
     (NEG is a power of 2); x = -inf gives 0."""
     if not TRITON.get():
         return exp(x - row[:, None])
+    assert plgpu is not None  # TRITON is set only where the backend is (`call.call`)
     shift = jnp.broadcast_to((row * -LOG2E)[:, None], x.shape)
     return plgpu.elementwise_inline_asm(
         "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, 0f3FB8AA3B, $2; ex2.approx.ftz.f32 $0, t; }",

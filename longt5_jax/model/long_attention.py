@@ -78,7 +78,7 @@ def local_bias(config, table_HR: jax.Array) -> jax.Array:
     each query's distance to each key of its three blocks. With the kernels, NEG beyond the
     radius (they rely on it and need no distance mask): read from an extra NEG column by the
     same lookup, once per stack, so no pass over [H, W, 3W] is added (a mask after the lookup
-    moved 8-25 MB more a step, per layer 0.1%)."""
+    moved more bytes: docs/journal.md, "What the kernels issue")."""
     w, heads, r = config.block_len, table_HR.shape[0], table_HR.shape[1]
     relative = relative_positions_3block(w)
     buckets = relpos.relative_position_bucket(
@@ -259,7 +259,7 @@ class LongSelfAttention(nn.Module):
         self, logits: list[jax.Array], values: list[tuple[str, jax.Array]], scales: list
     ) -> jax.Array:
         """One softmax over local and side keys without concatenating them, normalised after
-        the value matmuls: dividing the [.., W, K] output is 6-10x less memory traffic than
+        the value matmuls: dividing the [.., W, K] output moves (3W + G) / K times fewer bytes than
         dividing the [.., W, 3W + G] probabilities (dropout(e) / total = dropout(e / total))."""
         peak = jnp.max(jnp.stack([jnp.max(s, axis=-1, initial=-jnp.inf) for s in logits]), axis=0)
         exps = [jnp.exp(s - peak[..., None]) for s in logits]

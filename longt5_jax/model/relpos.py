@@ -61,10 +61,10 @@ def take_buckets(table_HR: jax.Array, buckets: jax.Array) -> jax.Array:
 
     The gradient sums each bucket's cotangents as a float32 matmul with the buckets' one-hot
     (exact: products with 0 and 1). Autodiff of the gather would scatter-add them instead, every
-    position into one of H x buckets entries on atomics: the decoder's 512 x 512 positions took
-    0.9 ms of a base step on an H100; and XLA fused the side table's sums by distance into that
-    scatter, which then added all B*H*N*W*2G gathered values (1 ms a base TGlobal layer at 16k
-    x 2). Of the forms tried, this one moves the fewest HBM bytes (`bench roofline`): a masked
+    position into one of H x buckets entries on atomics (the decoder's 512 x 512 positions); and
+    XLA fused the side table's sums by distance into that scatter, which then added all
+    B*H*N*W*2G gathered values (docs/journal.md, "The bias tables' gradients"). Of the forms
+    tried, this one moves the fewest HBM bytes (`bench roofline`): a masked
     reduction over the positions, or three bfloat16 products, moved more. A CPU keeps the
     gather's own gradient: it adds without atomics, and its programs stay as they were (an
     offloaded run equals the run on the device bitwise; any reformulation there, even the
@@ -118,8 +118,8 @@ def shifted_rows(v_BHD: jax.Array, shift_BNW: jax.Array, cols: int) -> jax.Array
     shifts in [0, cols] (D = 2 cols).
 
     The gradient gathers instead of scattering: autodiff of the gather would scatter-add all
-    B*H*L*G cotangents into the 2G*H entries of v, which on a GPU serialises on atomics (79% of
-    a 16k-token base step on an H100, 1.3 of 1.7 s); here each entry of v sums the cotangents
+    B*H*L*G cotangents into the 2G*H entries of v, which on a GPU serialises on atomics (most of
+    a 16k-token base step on an H100: docs/journal.md); here each entry of v sums the cotangents
     found at its distance along every row, a gather fused into a reduction.
     """
     index_BNWG = jnp.arange(cols) - shift_BNW[..., None] + cols

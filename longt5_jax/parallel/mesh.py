@@ -19,7 +19,7 @@ from longt5_jax.parallel.pipeline import Pipeline
 AXES = ("data", "tensor", "pipeline")
 # What ZeRO-Offload keeps in host memory between steps (parallel/offload.py).
 Offload = Literal["none", "optimizer", "optimizer_and_params"]
-OFFLOADS = ("none", "optimizer", "optimizer_and_params")
+OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "optimizer_and_params")
 
 
 @dataclasses.dataclass(frozen=True)

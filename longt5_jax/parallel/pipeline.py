@@ -159,7 +159,8 @@ def _segments(cfg: Pipeline) -> list[tuple[int, int, int | None]]:
     j m + p - 1 to (j + 1) m (to the end for the last), and in j - 1 or j for the p - 1
     iterations before (chunk None: each stage selects its own)."""
     p, m, r = cfg.stages, cfg.microbatches, cfg.repeats
-    out, start = [], 0
+    out: list[tuple[int, int, int | None]] = []
+    start = 0
     for j in range(r):
         if j:
             out.append((start, j * m + p - 1, None))
@@ -241,11 +242,11 @@ def run(
     if cfg.axis not in mesh.axis_names:  # no such devices (one device, tests): a named vmap
         params = jax.tree.map(lambda w: stage_major(w, cfg), layer_params)
         p = cfg.stages
-        split = functools.partial(
+        by_stage = functools.partial(
             jax.tree.map, lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:])
         )
         out = jax.vmap(local, in_axes=(0, 0, 0, None), axis_name=cfg.axis)(
-            split(params), split(x), split(per_microbatch), shared
+            by_stage(params), by_stage(x), by_stage(per_microbatch), shared
         )
         return out.reshape(x.shape)
     params = layer_params

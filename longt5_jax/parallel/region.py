@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from longt5_jax.parallel import pipeline as pp
 
 DATA, PIPELINE = "data", "pipeline"
+Rule = tuple[str, str | tuple[str, ...] | None]  # a logical axis and the mesh axes it takes
 
 
 def _only(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
@@ -105,8 +106,8 @@ class ShardRegion:
     def _exit(self, grads: Any) -> Any:
         return self._reorder(grads, self.grad_shardings, pp.layer_major)
 
-    def _inner_rules(self, rules: tuple) -> tuple:
-        def drop(target):
+    def _inner_rules(self, rules: Sequence[Rule]) -> tuple[Rule, ...]:
+        def drop(target: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
             names = target if isinstance(target, tuple) else (target,)
             kept = tuple(n for n in names if n is not None and n not in self.manual)
             return kept[0] if len(kept) == 1 else (kept or None)

@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import PyTreeDef
 
 from longt5_jax.errors import ConfigError
 from longt5_jax.kernels import interface as kernels
@@ -59,7 +60,7 @@ def optimizer_shardings(
     `kept_axes(state path, param path, param shape)` (e.g. Adafactor's factored moments keep
     the rows or the columns); a leaf of another shape (a placeholder) is replicated.
     """
-    param_def = jax.tree.structure(params)
+    param_def: PyTreeDef = jax.tree.structure(params)
     param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
     def one(state_path, node):

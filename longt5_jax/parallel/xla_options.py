@@ -6,17 +6,18 @@ runs; the launch scripts set no XLA flags of their own.
 
 CPU: jaxlib 0.10 hands dots, elementwise ops and reductions to YNNPACK fusions. Its dots are
 fast, but inside the train step its reductions run far slower than XLA's own loops (the layer
-norm's scale gradient, a [4096, 512] -> [512] sum, took 5 ms instead of under 1), and its
-elementwise fusions gain nothing. Dots only: small TGlobal at 4k inputs trains in 6.7 s a step,
-against 10.5 s with the default set and 8.7 s with no YNNPACK at all (measured on one idle 2-core
-machine; `python -m longt5_jax.bench profile` shows where a step's time goes).
+norm's scale gradient, a [4096, 512] -> [512] sum), and its elementwise fusions gain nothing.
+Dots only trains small TGlobal at 4k inputs fastest, ahead of the default set and of no YNNPACK
+at all (docs/journal.md, "On CPU"; `python -m longt5_jax.bench profile` shows where a step's
+time goes).
 
-GPU: measured on the deviceless A100 compile of LongT5-base TGlobal at 4k (global batch 128,
+GPU: chosen on the deviceless A100 compile of LongT5-base TGlobal at 4k (global batch 128,
 bf16, full remat; `python -m longt5_jax.bench cluster` reads the same figures), each option
 against the compile without it. Left out, with what they did there: the pipelined all-gather /
-reduce-scatter / all-reduce halve the exposed gradient reduction of a plain DP step at +1 GiB
-per device, but inside gradient accumulation they duplicate the microbatch forward passes (26%
-more FLOPs); while-loop double buffering adds 1.2-1.4 GiB and exposes more of the reduction;
+reduce-scatter / all-reduce halve the exposed gradient reduction of a plain DP step for more
+memory per device, but inside gradient accumulation they duplicate the microbatch forward passes;
+while-loop double buffering adds memory and exposes more of the reduction (figures:
+docs/journal.md, "XLA's GPU options");
 pipelined p2p and the collective-permute decomposer change nothing in our steps, and together
 they crash the compiler (a cycle in algebraic_simplifier, jaxlib 0.10.2).
 """
@@ -27,16 +28,18 @@ import functools
 
 import jax
 
-CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+CPU_OPTIONS: dict[str, str | bool] = {
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"
+}
 
 GPU_OPTIONS = {
-    # Collectives become asynchronous and are scheduled to overlap independent kernels: the
-    # communication the schedule leaves exposed drops 9% (DP32) to 35% (TP4 x DP8), at
-    # +0.05-0.2 GiB per device. Without it every collective runs synchronously.
+    # Collectives become asynchronous and are scheduled to overlap independent kernels: less of
+    # the communication is left exposed (most with TP4 x DP8), for a little memory per device.
+    # Without it every collective runs synchronously.
     "xla_gpu_enable_latency_hiding_scheduler": True,
-    # Combine small collectives of one kind into one launch (each NCCL call costs ~10-50 us of
-    # latency across nodes): ZeRO-2 with accumulation issues 27 instead of 46, TP4 x DP8 25
-    # instead of 40; memory within 0.05 GiB.
+    # Combine small collectives of one kind into one launch (each NCCL call costs tens of
+    # microseconds of latency across nodes): ZeRO-2 with accumulation issues 27 instead of 46,
+    # TP4 x DP8 25 instead of 40, at about the same memory.
     "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30,
     "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 27,

@@ -136,7 +136,7 @@ class Checkpoints:
         Every process agrees on each outcome.
         """
         quiet_failed_reads()
-        damaged = {}
+        damaged: dict[int, str] = {}  # step -> why it is unreadable
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 error, state = None, self.restore(step, abstract_state, data_iterator)

@@ -138,7 +138,9 @@ def initialize(processes: Processes | None, cpu_devices: int, heartbeat_s: int =
     if processes is None:
         return
 
-    on_cpu = jax.config.jax_platforms in (None, "", "cpu") and cpu_devices > 0
+    # jax's Config sets its options as attributes at run time; its type declares none.
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    on_cpu = platforms in (None, "", "cpu") and cpu_devices > 0
     if on_cpu:  # fake CPU devices per process, reduced over gloo across processes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service installs its own SIGTERM handler here, over the run's: SIGTERM

@@ -7,15 +7,30 @@ import contextlib
 import errno
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 import jax
 
 from longt5_jax.errors import RunFault
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.training.tensorboard import TensorBoard
+
+
+class LoggedStats(TypedDict):
+    """A training step's logged figures: its statistics (training/step.py's StepStats) as
+    floats, less the flag, with the non-finite steps so far and the learning rate."""
+
+    accuracy: float
+    grad_norm: float
+    loss: float
+    loss_scale: NotRequired[float]  # where the loss is scaled (float16): the step's scale
+    skipped_steps: NotRequired[float]  # where the loss is scaled: updates skipped so far
+    tokens: float
+    z_loss: float
+    nonfinite_steps: float
+    learning_rate: float
 
 
 class LogsUnwritable(RunFault):
@@ -91,14 +106,16 @@ class MetricsWriter:
         self._tokens += tokens
         self._all_tokens += tokens
 
-    def write(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    def write(self, step: int, metrics: LoggedStats) -> dict[str, float]:
+        """Logs `step`'s figures with the rates since the last call."""
         now = time.perf_counter()
         last_step, last_time = self._last or (step, now)
         seconds = max(now - last_time, 1e-9)
         steps = step - last_step
+        figures = cast(Mapping[str, float], metrics)  # every value of LoggedStats is a float
         row = {
             "step": step,
-            **{k: float(v) for k, v in metrics.items()},
+            **{k: float(v) for k, v in figures.items()},
             "tokens_per_second": self._tokens / seconds,
             "steps_per_second": steps / seconds,
             "step_seconds": seconds / max(steps, 1),
@@ -111,7 +128,7 @@ class MetricsWriter:
             self.exporter.update(row, steps=steps, tokens=self._tokens, spent=self._spent)
         self.start(step)
         self.last_train = row
-        self._timed = (self._all_tokens, now - self._began - self._paused)
+        self._timed = (self._all_tokens, now - (self._began or now) - self._paused)
         if not self.enabled:
             return row
         rate = row["steps_per_second"]
@@ -232,12 +249,16 @@ class StepProfiler:
         self.dir, self.first, self.last = Path(model_dir) / "profile", first, first + count - 1
 
     def before(self, step: int) -> None:
+        """Start the trace ahead of dispatching the first traced step."""
         if self.first and step == self.first:
             jax.profiler.start_trace(str(self.dir))
 
-    def after(self, step: int, state: Any) -> None:
-        if self.first and step == self.last:
-            jax.block_until_ready(state)  # the traced steps' device work, not just dispatch
-            jax.profiler.stop_trace()
-            if jax.process_index() == 0:
-                print(f"profile of steps {self.first}-{self.last} in {self.dir}", flush=True)
+    def stops_at(self, step: int) -> bool:
+        return bool(self.first) and step == self.last
+
+    def stop(self, state: Any) -> None:
+        """End the trace after the last traced step (`state`: what it computed)."""
+        jax.block_until_ready(state)  # the traced steps' device work, not just dispatch
+        jax.profiler.stop_trace()
+        if jax.process_index() == 0:
+            print(f"profile of steps {self.first}-{self.last} in {self.dir}", flush=True)

@@ -27,6 +27,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.tree_util import PyTreeDef
 
 from longt5_jax.formats.keypath import KeyPath, key_names
 
@@ -36,7 +37,8 @@ PyTree = Any
 STACKED_KEY = "layers"
 # Relative-position bias tables: T5X keeps them out of weight decay like the norm scales.
 RELPOS_KEY = "rel_embedding"
-NAMES = ("adamw", "adafactor")
+Name = Literal["adamw", "adafactor"]
+NAMES: tuple[Name, ...] = ("adamw", "adafactor")
 SCHEDULES = ("rsqrt", "constant", "linear", "cosine")
 
 
@@ -44,7 +46,7 @@ SCHEDULES = ("rsqrt", "constant", "linear", "cosine")
 class OptimizerConfig:
     """Optimizer and learning-rate schedule; the defaults are LongT5's T5X pretraining setup."""
 
-    name: Literal["adamw", "adafactor"] = "adafactor"
+    name: Name = "adafactor"
     learning_rate: float = 1.0  # the peak (or base) value the schedule scales
     schedule: Literal["rsqrt", "constant", "linear", "cosine"] = "rsqrt"
     warmup_steps: int = 10_000
@@ -209,7 +211,8 @@ def factoring(path: KeyPath, shape: Sequence[int], min_dim_size_to_factor: int) 
 class FactoredMomentsState(NamedTuple):
     """Adafactor's second moments: v_row, v_col where factored, else v (unused ones are [1])."""
 
-    count: jax.Array
+    # Named as optax's states name it (checkpoints hold the name); shadows `tuple.count`.
+    count: jax.Array  # type: ignore[assignment]
     v_row: PyTree
     v_col: PyTree
     v: PyTree
@@ -235,6 +238,7 @@ def scale_by_layer_factored_rms(
         del params
         # Adafactor's decay 1 - (t + 1)^-0.8: no averaging at the first step, then slowly more.
         beta = 1.0 - (state.count.astype(jnp.float32) + 1.0) ** -decay_rate
+        treedef: PyTreeDef  # (jaxlib's own type has no stubs: named, it is Any to mypy)
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         moments = [treedef.flatten_up_to(t) for t in (state.v_row, state.v_col, state.v)]
         out = [

@@ -58,7 +58,7 @@ class PeriodicEval:
         return self._examples[: limit or None]
 
     def __call__(self, step: int, params: Any) -> dict[str, float]:
-        out = {}
+        out: dict[str, float] = {}
         rows = self.data.batch_size
         if self.cfg.loss_every and step % self.cfg.loss_every == 0:
             examples = self._load(self.cfg.loss_examples)

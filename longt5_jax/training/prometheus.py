@@ -145,7 +145,7 @@ class PrometheusExporter:
         if self._pusher is not None and row:
             self._pusher.push()
 
-    def _update_global(self, row: dict[str, float], steps: int, tokens: float) -> dict:
+    def _update_global(self, row: dict[str, float], steps: int, tokens: float) -> Gauges:
         """Counts the run-wide counters up; returns the run-wide gauges of `row`."""
         self._counters["steps"].inc(steps)
         self._counters["tokens"].inc(tokens)
@@ -153,7 +153,7 @@ class PrometheusExporter:
             self._counters["nonfinite_steps"].inc(max(row["nonfinite_steps"] - self._nonfinite, 0))
             self._nonfinite = max(row["nonfinite_steps"], self._nonfinite)
         skipped = {key for key, _, _ in PER_PROCESS_GAUGES} | set(DERIVED) | {"nonfinite_steps"}
-        latest = {}
+        latest: Gauges = {}
         for key, value in row.items():
             if key not in skipped:
                 name, doc = GLOBAL_GAUGES.get(key) or (_name(key), f"the latest logged {key}")
@@ -191,15 +191,19 @@ def _name(key: str) -> str:
     return "longt5_" + re.sub(r"[^a-z0-9_]+", "_", snake).strip("_")
 
 
+# {name: (help, labels, value)} of the latest logged gauges.
+Gauges = dict[str, tuple[str, dict[str, str], float]]
+
+
 class _Latest:
     """The latest logged gauges, {name: (help, labels, value)}, replaced whole at each row: a
     scrape sees one row's loss, step and learning rate, never the step of one and the loss of
     the row before."""
 
     def __init__(self):
-        self._values: dict[str, tuple[str, dict[str, str], float]] = {}
+        self._values: Gauges = {}
 
-    def update(self, values: dict[str, tuple[str, dict[str, str], float]]) -> None:
+    def update(self, values: Gauges) -> None:
         self._values = {**self._values, **values}  # one assignment: what a scrape reads
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

@@ -209,6 +209,7 @@ class RunLock:
         if self._fd is None:
             return
         self._stop.set()
+        assert self._beat is not None  # started when the descriptor was kept
         self._beat.join()  # before the descriptor closes: its number may be reused at once
         record = _read(self._fd) or {}
         if (record.get("host"), record.get("pid")) == (socket.gethostname(), os.getpid()):

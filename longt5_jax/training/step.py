@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired, TypedDict, cast
 
 import flax.linen as nn
 import flax.struct
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from longt5_jax.data.pipeline import GlobalBatch
 from longt5_jax.model import LongT5, abstract_params, init_params
 from longt5_jax.model.loss import eval_stats, summed_loss
 from longt5_jax.parallel.mesh import ParallelConfig
@@ -37,7 +38,18 @@ from longt5_jax.parallel.xla_options import compiler_options
 from longt5_jax.training.loss_scale import LossScale
 from longt5_jax.training.optim import moment_axes
 
-Batch = dict[str, jax.Array]
+
+class StepStats(TypedDict):
+    """What a train step returns besides the state: its statistics, scalars on the devices."""
+
+    loss: jax.Array  # per target token ('tokens' normalisation) or summed ('none')
+    z_loss: jax.Array  # its z-loss part, normalised alike
+    accuracy: jax.Array  # of the target tokens
+    tokens: jax.Array  # the target tokens (loss weights) of the batch
+    grad_norm: jax.Array
+    nonfinite: jax.Array  # 1 where the step went bad (a NaN or Inf the scale does not explain)
+    loss_scale: NotRequired[jax.Array]  # where the loss is scaled: the scale the step ran with
+    skipped_steps: NotRequired[jax.Array]  # where the loss is scaled: updates skipped so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +76,7 @@ class StepConfig:
     loss_scale_period: int = 1000
     loss_scale_factor: int = 2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.microbatches < 1:
             raise ValueError(f"StepConfig.microbatches={self.microbatches}: expected >= 1")
         if self.loss_scale not in ("auto", "dynamic", "none"):
@@ -86,7 +98,10 @@ class StepConfig:
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array
+    """The state a step updates. The same tree holds its layout (shardings) and its abstract
+    form (ShapeDtypeStructs), so its leaves are typed Any."""
+
+    step: Any  # the updates made, a scalar int32
     params: Any
     opt_state: Any
     loss_scale: LossScale | None = None  # where the loss is scaled (float16)
@@ -96,20 +111,20 @@ def loss_and_grads(
     model: LongT5,
     cfg: StepConfig,
     params: Any,
-    batch: Batch,
+    batch: GlobalBatch,
     rng: jax.Array | None,
     loss_scale: jax.Array | None = None,
 ) -> tuple[dict[str, jax.Array], Any]:
     """Summed statistics and summed gradients over `cfg.microbatches` slices of the batch; the
     gradients are of the loss times `loss_scale`, where one is given (the statistics are not)."""
 
-    def loss(p, b, r):
+    def loss(p: Any, b: GlobalBatch, r: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         total, stats = summed_loss(model, p, b, cfg.z_loss, r)
         return (total if loss_scale is None else total * loss_scale), stats
 
     raw_grad = jax.grad(loss, has_aux=True)
 
-    def grad_fn(p, b, r):
+    def grad_fn(p: Any, b: GlobalBatch, r: jax.Array | None) -> tuple[Any, dict[str, jax.Array]]:
         if cfg.grad_dtype == "bfloat16":
             p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
         grads, stats = raw_grad(p, b, r)
@@ -125,7 +140,8 @@ def loss_and_grads(
         lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch
     )
 
-    def body(carry, b):  # every microbatch reads the step's key: its rows' ids tell them apart
+    def body(carry: Any, b: GlobalBatch) -> tuple[Any, None]:
+        # Every microbatch reads the step's key: its rows' ids tell them apart.
         grads, stats = grad_fn(params, b, rng)
         return jax.tree.map(jnp.add, carry, (stats, grads)), None
 
@@ -139,12 +155,13 @@ def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
     (a sum carried through a loop must be typed like what is added to it)."""
     zeros = jnp.zeros(like.shape, like.dtype)
     manual = getattr(like, "manual_axis_type", None)
-    varying = tuple(sorted(getattr(like, "vma", None) or getattr(manual, "varying", ())))
+    vma: Any = getattr(like, "vma", None) or getattr(manual, "varying", ())
+    varying = tuple(sorted(vma))
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 Gradients = Callable[
-    [Any, Batch, "jax.Array | None", "jax.Array | None"], tuple[dict[str, jax.Array], Any]
+    [Any, GlobalBatch, "jax.Array | None", "jax.Array | None"], tuple[dict[str, jax.Array], Any]
 ]
 
 
@@ -155,9 +172,9 @@ def train_step(
     grad_constraint: Callable[[Any], Any],
     memory: StateMemory,
     state: TrainState,
-    batch: Batch,
+    batch: GlobalBatch,
     rng: jax.Array | None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
+) -> tuple[TrainState, StepStats]:
     """One optimizer update. `gradients(params, batch, rng, loss_scale)` gives the summed
     statistics and gradients; `grad_constraint` lays gradients out (ZeRO-2 reduce-scatter);
     `memory` moves offloaded state to the device and back. Where the state has a loss scale,
@@ -184,7 +201,7 @@ def train_step(
             (old_params, old_opt),
         )
     params, opt_state = memory.params_out(params), memory.opt_out(opt_state)
-    metrics = {
+    metrics: StepStats = {
         "loss": loss,
         "z_loss": stats["z_loss_sum"] * scale,
         "accuracy": stats["correct"] / stats["weight"],
@@ -213,8 +230,8 @@ class ShardedStep:
     mesh: Mesh
     parallel: ParallelConfig
 
-    def __post_init__(self):
-        self.model = for_devices(self.model, self.mesh)
+    def __post_init__(self) -> None:
+        self.model = cast(LongT5, for_devices(self.model, self.mesh))
         boxed = abstract_params(self.model)
         zero = self.parallel.zero_stage
         self.param_shardings = tree_shardings(boxed, self.mesh, "params", zero)
@@ -246,7 +263,7 @@ class ShardedStep:
             self.state_shardings,
         )
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
-        self._step = None
+        self._step: jax.stages.Wrapped | None = None
         # Accumulation and pipelines reduce once, from a region manual over data (and
         # pipeline); a plain step lets XLA reduce each layer's gradients as the backward pass
         # produces them, overlapping the reduction with the layers still to come.
@@ -269,13 +286,14 @@ class ShardedStep:
     def init(self, key: jax.Array) -> TrainState:
         """Parameters and optimizer state created directly in their shards."""
 
-        def init(key):
+        def init(key: jax.Array) -> TrainState:
             params = nn.unbox(init_params(self.model, key))
             scale = None if self.abstract_state.loss_scale is None else self._loss_scale()
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), scale)
 
         with self._context():
-            return jax.jit(init, out_shardings=self.state_shardings)(key)
+            state: TrainState = jax.jit(init, out_shardings=self.state_shardings)(key)
+        return state
 
     def _loss_scale(self) -> LossScale:
         return LossScale.initial(self.step_cfg.loss_scale_initial)
@@ -286,13 +304,15 @@ class ShardedStep:
     def _constrain_grads(self, grads: Any) -> Any:
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
 
-    def _gradients(self, params: Any, batch: Batch, rng: jax.Array | None, scale: Any):
+    def _gradients(
+        self, params: Any, batch: GlobalBatch, rng: jax.Array | None, scale: Any
+    ) -> tuple[dict[str, jax.Array], Any]:
         local = functools.partial(loss_and_grads, self.model, self.step_cfg)
         if self.region is None:
             return local(params, batch, rng, scale)
         return self.region.grads(local, params, batch, rng, scale)
 
-    def _jitted(self):
+    def _jitted(self) -> jax.stages.Wrapped:
         if self._step is None:
             fn = functools.partial(
                 train_step,
@@ -311,12 +331,17 @@ class ShardedStep:
             )
         return self._step
 
-    def __call__(self, state: TrainState, batch: Batch, rng: jax.Array | None = None):
+    def __call__(
+        self, state: TrainState, batch: GlobalBatch, rng: jax.Array | None = None
+    ) -> tuple[TrainState, StepStats]:
         # Logical rules are read while tracing, so every trace happens inside them.
         with self._context():
-            return self._jitted()(state, batch, rng)
+            out: tuple[TrainState, StepStats] = self._jitted()(state, batch, rng)
+        return out
 
-    def lower(self, state: TrainState, batch: Batch, rng: jax.Array | None = None):
+    def lower(
+        self, state: TrainState, batch: GlobalBatch, rng: jax.Array | None = None
+    ) -> jax.stages.Lowered:
         with self._context():
             return self._jitted().lower(state, batch, rng)
 
@@ -335,17 +360,21 @@ class Evaluator:
     region: ShardRegion | None = None  # the step's region, where the layers are pipelined
     offloaded_to: Any = None  # the device shardings of parameters that live in host memory
 
-    def __call__(self, params: Any, batch: Batch) -> dict[str, jax.Array]:
+    def __call__(self, params: Any, batch: GlobalBatch) -> dict[str, jax.Array]:
         if self.offloaded_to is not None:
             params = jax.device_put(params, self.offloaded_to)
         with activation_context(self.mesh, self.parallel):
+            stats: dict[str, jax.Array]
             if self.parallel.pipeline > 1:  # the pipeline runs in the region's stage axis
-                return self._in_region(params, batch)
-            return eval_stats(self.model, params, batch)
+                stats = self._in_region(params, batch)
+            else:
+                stats = eval_stats(self.model, params, batch)
+        return stats
 
     @functools.cached_property
-    def _in_region(self):
-        def stats(params, batch):
+    def _in_region(self) -> Callable[[Any, GlobalBatch], dict[str, jax.Array]]:
+        def stats(params: Any, batch: GlobalBatch) -> dict[str, jax.Array]:
             return summed_loss(self.model, params, batch, 0.0, None)[1]
 
+        assert self.region is not None  # a pipelined layout evaluates in the step's region
         return jax.jit(functools.partial(self.region.stats, stats))

@@ -111,11 +111,12 @@ def _summary_writer() -> type:
 
 def _tensorboardx() -> Any:
     """tensorboardX, imported without torch: where torch is installed, tensorboardX imports it
-    only to accept its tensors (we log floats), which costs every training process 1.5 s of
+    only to accept its tensors (we log floats), which costs every training process seconds of
     start-up."""
     hidden = "torch" not in sys.modules
     if hidden:
-        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+        # `import torch` raises ImportError while this is set (typeshed allows modules only)
+        sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         import tensorboardX
         import tensorboardX.summary

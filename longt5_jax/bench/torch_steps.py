@@ -1,38 +1,16 @@
-"""transformers' PyTorch LongT5, the reference the benchmarks race: holding our parameters
-(decoding), or trained from its own initialisation (a train step's time).
+"""transformers' LongT5 trained as our step is, from its own initialisation: the train step
+time the benchmarks race (`bench device`).
 
-Needs the `test` extra (torch, transformers 4.x, which keeps LongT5's LM head untied).
+Needs the `test` extra (torch, transformers 4.x).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
-from longt5_jax.formats import hf
+from longt5_jax.formats import torch_reference
 from longt5_jax.model import LongT5Config
-
-
-def available() -> bool:
-    try:  # optional (the test extra): whether they are installed is the question
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def torch_longt5(config: LongT5Config, params: Any):
-    """LongT5ForConditionalGeneration with exactly `params`, in eval mode."""
-    import torch  # optional (the test extra), only where the reference is asked for
-
-    model = _longt5(config)
-    state = {k: torch.from_numpy(v.copy()) for k, v in hf.to_hf(config, params).items()}
-    for tied in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-        state[tied] = state["shared.weight"]
-    model.load_state_dict(state, strict=True)
-    return model.eval()
 
 
 def time_train_steps(
@@ -45,7 +23,7 @@ def time_train_steps(
     import torch
     import transformers
 
-    net = _longt5(config).to(device)
+    net = torch_reference.untrained_longt5(config).to(device)
     net.config.use_cache = False  # training: no decoder cache
     if checkpointing:
         net.gradient_checkpointing_enable()
@@ -69,12 +47,3 @@ def time_train_steps(
         "step_s": statistics.median(times),
         "allocator_peak": int(peak),
     }
-
-
-def _longt5(config: LongT5Config):
-    """An untrained LongT5ForConditionalGeneration of `config`'s size."""
-    import transformers  # optional (the test extra), only where the reference is asked for
-
-    return transformers.LongT5ForConditionalGeneration(
-        transformers.LongT5Config(**hf.config_to_hf(config))
-    )
