@@ -97,18 +97,24 @@ def test_bench_sass_names_what_it_lacks_in_one_line(monkeypatch, capsys):
     assert "--cases 'base:nope:1024:1:padded'" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # a deviceless compile and the CUDA tools, ~15 s
-def test_bench_sass_reads_every_kernel_of_a_compiled_layer(tmp_path, capsys):
-    """ptxas and nvdisasm (the gpu extra's) on a base TGlobal layer compiled for an H100: every
-    encoder kernel read, with registers, and the side gradient's loop over the query blocks
-    with its matmuls and exponentials. (Base, not tiny: jax 0.12's Triton crashes compiling the
-    tiny model's blocks of 4 tokens; base's 128 compile as fast, 16 s here.)"""
+@pytest.mark.slow  # a deviceless compile, ptxas and nvdisasm: 85 s here
+def test_bench_sass_reads_every_kernel_and_float32_spills_its_loops_on_an_a100(tmp_path, capsys):
+    """ptxas and nvdisasm (the gpu extra's) on a base TGlobal layer compiled for an A100 in
+    float32: every encoder kernel read, with registers, and the side gradient's loop over the
+    query blocks with its matmuls and exponentials. (Base, not tiny: jax 0.12's Triton crashes
+    compiling the tiny model's blocks of 4 tokens; base's 128 compile as fast.)
+
+    And why `attention_kernel="auto"` takes XLA's attention for float32 on compute capability
+    8.x (`kernels.backend.suits`): ptxas gives the A100's float32 dq 32 registers, and its loop
+    over the side keys loads and stores spilled registers (bfloat16's on the A100 and float32's
+    on an H100 keep their loops in registers: `bench sass`, docs/journal.md). If a ptxas stops
+    spilling, this fails: revisit `suits`."""
     if shutil.which("nvdisasm") is None:
         pytest.skip("nvdisasm is not on PATH (.ci/run installs it beside the environment)")
-    case = "base:tglobal:1024:1:packed"
-    assert sass.main(["--cases", case, "--out_dir", str(tmp_path)]) == 0
-    report = json.loads((tmp_path / "sass.json").read_text())
-    readings = report["cases"][case]
+    case = "base:tglobal:4096:1:padded"  # 4 chunks of side keys: a loop (1024 tokens: one)
+    argv = ["--cases", case, "--target", "a100-80gb", "--dtype", "float32"]
+    assert sass.main([*argv, "--out_dir", str(tmp_path)]) == 0
+    readings = json.loads((tmp_path / "sass.json").read_text())["cases"][case]
     names = {f"encoder_attention_{k}" for k in ("fwd", "dq", "dkv", "dbias", "dside")}
     assert set(readings) == names
     assert all(0 < r["registers"] <= 255 and r["instructions"] > 0 for r in readings.values())
@@ -116,22 +122,10 @@ def test_bench_sass_reads_every_kernel_of_a_compiled_layer(tmp_path, capsys):
     [blocks] = readings["encoder_attention_dside"]["loops"]
     assert blocks["by_class"]["tensor"] >= 4 and blocks["by_class"]["exp"] >= 1
     assert "encoder_attention_fwd" in capsys.readouterr().out
-
-
-@pytest.mark.slow  # a deviceless compile and ptxas, ~80 s
-def test_float32_kernels_spill_their_loops_on_an_a100_which_auto_avoids():
-    """Why `attention_kernel="auto"` takes XLA's attention for float32 on compute capability 8.x
-    (`kernels.backend.suits`): ptxas gives the A100's float32 dq 32 registers, and its loop over the
-    side keys loads and stores spilled registers (bfloat16's on the A100 and float32's on an
-    H100 keep their loops in registers: `bench sass`, docs/journal.md). If a ptxas stops
-    spilling, this fails: revisit `suits`."""
-    if shutil.which("nvdisasm") is None:
-        pytest.skip("nvdisasm is not on PATH (.ci/run installs it beside the environment)")
-    case = "base:tglobal:4096:1:padded"  # 4 chunks of side keys: a loop (1024 tokens: one)
-    reading = sass.compiled_kernels(case, "a100-80gb", "float32")["encoder_attention_dq"]
-    [loop] = reading["loops"]
+    dq = readings["encoder_attention_dq"]
+    [loop] = dq["loops"]
     local = loop["by_class"].get("local", 0)
-    assert reading["registers"] <= 32 and local >= 100, (reading["registers"], local)
+    assert dq["registers"] <= 32 and local >= 100, (dq["registers"], local)
     assert not base.suits("8.0", "float32") and base.suits("8.0", "bfloat16")
     assert base.suits("9.0", "float32") and base.suits("8.6", "float16")
     assert not base.suits("7.0", "float16") and not base.suits("", "bfloat16")

@@ -124,6 +124,24 @@ def test_remat_and_unrolled_layers_change_memory_not_gradients(remat, scan):
         assert max_rel(a, b)[1] <= 1e-6
 
 
+def test_parameters_cast_at_use_train_as_those_cast_once():
+    """cast_params changes where the bf16 copies live, not what a layer computes: each use reads
+    the same bf16 values and its gradient is rounded to bf16 once either way, so the loss and
+    every gradient are bitwise equal (measured here, with recomputation and without)."""
+    config = LongT5Config.preset("tiny", dtype="bfloat16", remat="full")
+    params = random_params(config)
+    batch = padded_batch(config, [21, 9], [5, 3], 21, 5)
+    loss, grads = jax.value_and_grad(_loss)(params, config, batch)
+    at_use = dataclasses.replace(config, cast_params="at_use")
+    loss_at_use, grads_at_use = jax.value_and_grad(_loss)(params, at_use, batch)
+    # Both ran in bf16 (float32's loss differs), so the equality says something.
+    float32 = dataclasses.replace(at_use, dtype="float32")
+    assert float(_loss(params, float32, batch)) != float(loss_at_use)
+    assert float(loss_at_use) == float(loss)
+    for a, b in zip(jax.tree.leaves(grads_at_use), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_kernel_used_twice_sums_its_gradients_in_float32_and_rounds_once():
     """TGlobal's key and value kernels project the tokens and the global aggregates, and reach
     the layer already in bfloat16 (a stack casts its parameters once a step): their gradient is

@@ -5,14 +5,11 @@
 process counts are `test_elastic.py`.)
 """
 
-import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,57 +109,6 @@ def test_two_processes_train_and_hand_checkpoints_over_like_one(tmp_path):
     out = _launch(one_to_two, *DP_TP_PP)
     assert "resumed from step 3" in out
     np.testing.assert_allclose(losses_of(one_to_two), want, rtol=1e-5)
-
-
-def _fake_slurm(bin_dir: Path) -> None:
-    """`srun` that starts SLURM_NTASKS local tasks with their SLURM variables; `scontrol` that
-    records what it was asked."""
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
-        f"""#!{sys.executable}
-import os, subprocess, sys
-args = sys.argv[1:]
-while args and args[0].startswith("--"):
-    args.pop(0)
-n = int(os.environ["SLURM_NTASKS"])
-tasks = [
-    subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}})
-    for i in range(n)
-]
-codes = [t.wait() for t in tasks]
-sys.exit(next((c for c in codes if c), 0))
-"""
-    )
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {bin_dir / "scontrol.log"}\n')
-    for f in ("srun", "scontrol"):
-        (bin_dir / f).chmod(0o755)
-
-
-@pytest.mark.slow
-def test_the_sbatch_script_trains_through_srun(tmp_path):
-    _fake_slurm(tmp_path / "bin")
-    env = child_env()
-    env.update(
-        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-        JAX_PLATFORMS="cpu",
-        PYTHON=sys.executable,
-        SLURM_JOB_ID=str(700 + os.getpid() % 200),
-        SLURM_STEP_NODELIST="localhost",
-        SLURM_NTASKS="2",
-        MODEL_DIR=str(tmp_path / "run"),
-        GIN_FILE="configs/demo.gin",
-        GIN_ARGS=" ".join(a for a in LAUNCHED_RUN if a != "--gin_file=configs/demo.gin"),
-        EXTRA_ARGS="--gin.RunConfig.train_steps=3 --gin.RunConfig.cpu_devices=4",
-    )
-    out = subprocess.run(
-        ["bash", "launch/slurm/train.sbatch"], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    # Two tasks made one 8-device run; only process 0 reports, its lines marked as its own.
-    assert "[0/2] step      3/3" in out.stdout and "8 devices" in out.stdout
-    assert [json.loads(r)["step"] for r in (tmp_path / "run" / "metrics.jsonl").open()] == [1, 2, 3]
-    assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
-    assert not (tmp_path / "bin" / "scontrol.log").exists()  # finished: no requeue
 
 
 @pytest.mark.slow

@@ -227,9 +227,16 @@ def uninterrupted(slurm, tmp_path_factory):
     # With the script's Prometheus settings: its tasks serve on every interface and the job
     # lists them for Prometheus' file-based discovery (no wait for a last scrape here).
     targets, port = tmp_path_factory.mktemp("targets"), _free_port()
-    run = (*RUN, "--gin.RunConfig.prometheus_grace_seconds=0")
-    prometheus = {"PROMETHEUS_PORT": str(port), "PROMETHEUS_TARGETS": str(targets)}
-    job = slurm.wait(slurm.submit(model_dir, *run, **prometheus), Path(f"{model_dir}.out"))
+    # The step count comes in EXTRA_ARGS, bound after GIN_ARGS (whose tiny run says 4 steps):
+    # 8 steps logged say it arrived. (The sigterm test's job gives it in GIN_ARGS.)
+    steps = "--gin.RunConfig.train_steps=8"
+    run = (*(a for a in RUN if a != steps), "--gin.RunConfig.prometheus_grace_seconds=0")
+    settings = {
+        "PROMETHEUS_PORT": str(port),
+        "PROMETHEUS_TARGETS": str(targets),
+        "EXTRA_ARGS": steps,
+    }
+    job = slurm.wait(slurm.submit(model_dir, *run, **settings), Path(f"{model_dir}.out"))
     log = Path(f"{model_dir}.out").read_text()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, log[-3000:])
     (listed,) = json.loads((targets / f"longt5-{job['JobId']}.json").read_text())

@@ -31,9 +31,13 @@ from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig
 from longt5_jax.training.step import StepConfig
 
-pytestmark = pytest.mark.skipif(
-    not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
-)
+# A minute of deviceless compiles: with the slow tests, which `.ci/run` runs.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not targets.have_gpu_compiler(), reason="the gpu extra (jax[cuda12]) is not installed"
+    ),
+]
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "tests" / "golden" / "step_bytes.json"
 REASON_VARIABLE = "LONGT5_STEP_BYTES_REASON"
