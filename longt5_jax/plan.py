@@ -132,7 +132,9 @@ def _compile(
     """Compile one candidate: its compiled memory, collectives, cost-model step time and, on
     a GPU, the program's roofline step time (the pipeline's idle iterations are in its kernels)."""
     c = estimate.candidate
-    cfg = dataclasses.replace(config, remat=c.remat, scan_layers=c.scan_layers)
+    cfg = dataclasses.replace(
+        config, remat=c.remat, scan_layers=c.scan_layers, cast_params=c.cast_params
+    )
     optimizer = make_optimizer(OptimizerConfig(name=optimizer_name))
     shape = (c.batch_size, *lengths)
     compiled = compile_ahead.compile_for(

@@ -159,6 +159,13 @@ def test_candidates_divide_everything():
     assert twins == [found[i + 1] for i in unrolled]
     assert "--gin.LongT5Config.scan_layers=False" in found[unrolled[0]].gin()
     assert "unrolled" in found[unrolled[0]].label() and "unrolled" not in twins[0].label()
+    # Parameters cast where used on data parallelism with ZeRO-2 (as dp32_zero2.gin), once a
+    # step elsewhere; the flag is said only where it is not the default.
+    casts = {(c.zero_stage, c.tensor, c.pipeline): c.cast_params for c in found}
+    assert casts[2, 1, 1] == "at_use" and {casts[z, 1, 1] for z in (0, 1, 3)} == {"once"}
+    assert {v for (z, t, p), v in casts.items() if t * p > 1} == {"once"}
+    flag = "--gin.LongT5Config.cast_params=\"'at_use'\""
+    assert all((flag in c.gin()) == (c.cast_params == "at_use") for c in found)
 
 
 def test_targets_carry_their_figures(tmp_path):

@@ -16,6 +16,7 @@ is a flag and printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.data.pipeline import DataConfig
 from longt5_jax.errors import UsageError
 from longt5_jax.estimate import comm_model, compile_ahead, cost, flops, targets
+from longt5_jax.estimate.candidates import cast_params_for
 from longt5_jax.estimate.shapes import ModelShapes
 from longt5_jax.model import LongT5Config
 from longt5_jax.parallel.mesh import ParallelConfig
@@ -120,6 +122,7 @@ def measure(args, cluster, devices, model: str, length: int, strategy: str) -> d
                                  attention_kernel=kernel)  # fmt: skip
     micro = args.pipeline_microbatches if pipe > 1 else 0
     parallel = ParallelConfig(-1, tensor, pipe, zero, pipeline_microbatches=micro)
+    config = dataclasses.replace(config, cast_params=cast_params_for(parallel))
     if args.batch_size % args.accumulation:
         raise ValueError(f"--batch_size {args.batch_size} is not divisible by --accumulation")
     step = StepConfig(microbatches=args.accumulation, grad_dtype=args.grad_dtype)

@@ -15,6 +15,7 @@ run without offload is the measured cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ from longt5_jax.bench import results as page
 from longt5_jax.bench.report import pyplot, save_figure, write_json
 from longt5_jax.errors import UsageError
 from longt5_jax.estimate import compile_ahead, cost, flops, targets
+from longt5_jax.estimate.candidates import cast_params_for
 from longt5_jax.model import LongT5, LongT5Config
 from longt5_jax.parallel.devices import half_dtype
 from longt5_jax.parallel.mesh import Offload, ParallelConfig, make_mesh
@@ -81,7 +83,7 @@ def _compiled_rows(args, devices, cluster, length: int, batch: int, zeros: list[
             print(f"compiling {args.model}@{length} ZeRO-{zero} offload={mode}", file=sys.stderr)
             parallel = ParallelConfig(data=-1, zero_stage=zero, offload=mode)
             step = compile_ahead.compile_for(
-                config,
+                dataclasses.replace(config, cast_params=cast_params_for(parallel)),
                 parallel,
                 devices,
                 args.gpus_per_node,

@@ -31,6 +31,17 @@ def planned_remat(config: LongT5Config) -> tuple[str, ...]:
     return tuple(p for p in REMAT_POLICIES if p != "save_attention")
 
 
+def cast_params_for(parallel: ParallelConfig) -> str:
+    """Where a layout's layers cast their parameters to the compute dtype
+    (`LongT5Config.cast_params`), as the compiled programs measured it: in each layer as it uses
+    them where every device holds whole parameters beside sharded gradients (data parallelism
+    with ZeRO-2, `configs/parallel/dp32_zero2.gin`), since a copy cast once a step would live from
+    the forward to the backward; once a step elsewhere (ZeRO-0/1's backward stacks the layers'
+    gradients at half width, ZeRO-3 gathers half-width parameters)."""
+    whole = parallel.zero_stage == 2 and parallel.tensor == 1 and parallel.pipeline == 1
+    return "at_use" if whole else "once"
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     data: int
@@ -54,6 +65,10 @@ class Candidate:
             pipeline_repeats=self.repeats,
             offload=self.offload,
         )
+
+    @property
+    def cast_params(self) -> str:
+        return cast_params_for(self.mesh())
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -84,6 +99,8 @@ class Candidate:
                 f"--gin.ParallelConfig.pipeline_repeats={self.repeats}",
             ]
         lines.append(f"--gin.LongT5Config.remat=\"'{self.remat}'\"")
+        if self.cast_params != "once":
+            lines.append(f"--gin.LongT5Config.cast_params=\"'{self.cast_params}'\"")
         if not self.scan_layers:
             lines.append("--gin.LongT5Config.scan_layers=False")
         lines.append(f"--gin.DataConfig.batch_size={self.batch_size}")
