@@ -93,7 +93,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected
 def pytest_collection_modifyitems(config, items):
-    """The runs of SPREAD files first (each up to minutes), then files by their number of
-    tests, most first: the longest work starts first and the short files fill the end."""
+    """The runs of SPREAD files first (each up to minutes), then the files holding slow tests
+    (with them, `.ci/run`'s single pass: a slow test is one run or compile of minutes), then
+    files by their number of tests, most first: the longest work starts first and the short
+    files fill the end."""
     tests_in = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.path.name not in SPREAD, -tests_in[item.path]))
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(
+        key=lambda item: (item.path.name not in SPREAD, item.path not in slow, -tests_in[item.path])
+    )
