@@ -235,6 +235,7 @@ def test_accumulation_reduces_once(a100, zero_steps):
     assert not [op for op in four.collectives if op.in_loop]
 
 
+@pytest.mark.slow  # two compiles of 16-layer stacks for 32 GPUs, ~25 s
 def test_a_pipeline_moves_little_more_than_without(a100):
     """Tensor 4 x pipeline 2 x data 4 against tensor 4 x data 8, same global batch: the stages
     reduce once, no weight moves, the head runs on 1/2 of the rows per stage; what is left are

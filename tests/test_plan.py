@@ -46,6 +46,7 @@ def test_plan_compiles_the_best_on_cpu_devices(capsys):
     _check_gin(out)
 
 
+@pytest.mark.slow  # the plan and its best candidates compiled for 32 GPUs, ~20 s
 @GPU
 def test_plan_compiles_the_best_for_the_a100_cluster(capsys, monkeypatch):
     """The best candidate's unrolled and scanned twins compiled (the analytic models cannot
