@@ -78,7 +78,9 @@ class Schedule:
         names = [h.name for h in hooks]
         if len(set(names)) != len(names):
             raise ValueError(f"hooks {names}: each name once")
-        self.hooks = [h for h in hooks if h.writes_logs] + [h for h in hooks if not h.writes_logs]
+        self.writers = [h for h in hooks if h.writes_logs]
+        self.others = [h for h in hooks if not h.writes_logs]
+        self.hooks = self.writers + self.others
         self.logs_failed = logs_failed
 
     def before(self, step: int) -> None:
@@ -89,14 +91,11 @@ class Schedule:
 
     def after(self, tick: Tick) -> None:
         """The hooks due after `tick`'s step, in order."""
-        for hook in self.hooks:
-            if not hook.writes_logs:
-                self._ask_failed(tick)
+        for hook in self.writers:
             if hook.cadence.fires(tick):
                 hook.action(tick)
-                tick.wrote |= hook.writes_logs
-        self._ask_failed(tick)
-
-    def _ask_failed(self, tick: Tick) -> None:
-        if tick.failed is None:
-            tick.failed = tick.wrote and self.logs_failed()
+                tick.wrote = True
+        tick.failed = tick.wrote and self.logs_failed()
+        for hook in self.others:
+            if hook.cadence.fires(tick):
+                hook.action(tick)
