@@ -134,8 +134,13 @@ def evaluate(args: argparse.Namespace, cfg: EvalSections, step_dir: Path) -> dic
         data.batch_size,
     )
     metrics: dict[str, Any] = {f"eval_{k}": v for k, v in loss.items()}
+    model = generator.model.config
+    plan = evaluation.decoding_plan(examples, data, data.batch_size, model)
+    print(plan.summary())
     with tqdm(total=len(examples), desc=f"decoding {split}", unit="doc", disable=None) as bar:
-        tokens = evaluation.predict(generator.tokens, examples, data, data.batch_size, bar.update)
+        tokens = evaluation.predict(
+            generator.tokens, examples, data, data.batch_size, model, bar.update
+        )
     scores, records = evaluation.rouge_of(tokenizer, examples, tokens)
     step = step_of(step_dir)
     metrics |= scores | {
@@ -143,6 +148,10 @@ def evaluate(args: argparse.Namespace, cfg: EvalSections, step_dir: Path) -> dic
         "split": split,
         "examples": len(examples),
         "truncated_inputs": truncated,
+        # The share of the encoder's input positions decoding padded, and what batches cut in
+        # file order and padded to DataConfig.input_length would have (`infer.batches`).
+        "input_padding": plan.padding,
+        "input_padding_file_order": plan.file_order_padding,
         "decode": dataclasses.asdict(cfg.decode) | {"max_length": length},
         "seconds": time.perf_counter() - began,
     }

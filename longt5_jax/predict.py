@@ -2,8 +2,9 @@
 
 Summaries of your documents from a checkpoint (a step directory or a MODEL_DIR). DOCS is a
 .jsonl file (one document per line, its text under --input_field, an optional "id") or a .txt
-file (the whole file is one document). OUT gets {"id", "prediction"} per document, in order,
-written when all are done (a failed run leaves an existing OUT as it was).
+file (the whole file is one document). Documents are decoded --batch_size at a time, grouped by
+length (each batch padded only as far as its longest needs). OUT gets {"id", "prediction"} per
+document, in input order, written when all are done (a failed run leaves an existing OUT as it was).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from longt5_jax.data.sources import DataError
 from longt5_jax.data.tokenizer import Tokenizer
 from longt5_jax.formats.atomic import write_atomic
 from longt5_jax.formats.native import resolve, saved_config
+from longt5_jax.infer import batches
 from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.infer.generator import from_checkpoint, load_tokenizer_for
 from longt5_jax.parallel.devices import cpu_devices
@@ -143,21 +145,21 @@ def predict(args: argparse.Namespace) -> int:
     fields = ("max_length", "num_beams", "length_penalty", "temperature", "top_k", "top_p", "seed")
     decode = DecodeConfig(**{f: getattr(args, f) for f in fields})
     parallel = ParallelConfig(data=-1, tensor=args.tensor, zero_stage=0)
-    generator, _ = from_checkpoint(step_dir, parallel, decode, args.max_length)
+    generator, config = from_checkpoint(step_dir, parallel, decode, args.max_length)
     data = generator.mesh.shape["data"]
     rows = -(-args.batch_size // data) * data  # whole rows for every data rank
 
     ids = _encode(docs, tokenizer, length, args.input)
-    out = []
+    buckets = batches.bucket_lengths(length, batches.granularity(config))
+    plan = batches.by_length([len(x) for x in ids], rows, buckets)
+    print(plan.summary())
+
+    def generate(batch: npt.NDArray[Any], mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return np.asarray(jax.device_get(generator.tokens(batch, mask)))
+
     with tqdm(total=len(docs), desc="summarising", unit="doc", disable=None) as bar:
-        for start in range(0, len(ids), rows):
-            chunk = ids[start : start + rows]
-            batch = np.zeros((rows, length), np.int32)
-            for r, x in enumerate(chunk):
-                batch[r, : len(x)] = x
-            tokens = np.asarray(jax.device_get(generator.tokens(batch, (batch > 0) * 1)))
-            out += [tokenizer.decode(t) for t in tokens[: len(chunk)]]
-            bar.update(len(chunk))
+        tokens = batches.decode(generate, ids, plan, bar.update)
+    out = [tokenizer.decode(t) for t in tokens]
     write_atomic(
         Path(args.output),
         "".join(

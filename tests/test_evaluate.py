@@ -78,21 +78,33 @@ def test_evaluate_writes_predictions_and_metrics_equal_to_the_periodic_eval(run,
     scores = rouge([r["reference"] for r in records], [r["prediction"] for r in records])
     assert {k: metrics[k] for k in scores} == scores
     assert metrics["examples"] == 4 and metrics["truncated_inputs"] == 4
+    # Four inputs of 256 tokens in one batch of 8 rows at 256: grouping saves nothing here.
+    assert metrics["input_padding"] == metrics["input_padding_file_order"] == 0.5
     assert "rouge1" in printed
+    assert "padding: 50.0% of input positions (file order at full length: 50.0%)" in printed
 
 
 def test_predict_on_user_files_gives_the_evaluate_predictions(run, evaluated, tmp_path, capsys):
     docs = tmp_path / "docs.jsonl"
     val = aclsum_source("val")
-    docs.write_text("".join(json.dumps({"article": val[i]["inputs"]}) + "\n" for i in range(2)))
+    # A short document first: decoded after the two long ones (longest first), written first.
+    short = "Local attention makes long inputs cheap."
+    texts = [short, val[0]["inputs"], val[1]["inputs"]]
+    docs.write_text("".join(json.dumps({"article": t}) + "\n" for t in texts))
     out = tmp_path / "pred.jsonl"
     argv = ["--checkpoint", str(run), "--input", str(docs), "--output", str(out)]
     assert predict.main([*argv, "--max_length", "32"]) == 0
-    assert "truncated to the first 255 and EOS" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "truncated to the first 255 and EOS" in printed.err
+    # One batch of 8 rows (one a device) padded to 256, the long documents' length.
+    tokenizer = load_tokenizer(DataConfig(tokenizer_vocab_size=2000))
+    padding = 1 - (2 * 256 + len(tokenizer.encode(short)) + 1) / (8 * 256)
+    line = f"padding: {padding:.1%} of input positions (file order at full length: {padding:.1%})"
+    assert line in printed.out.splitlines()
     ours = [json.loads(x) for x in out.read_text().splitlines()]
     records = (evaluated[0] / "val_predictions.jsonl").read_text().splitlines()
-    assert [r["id"] for r in ours] == ["1", "2"]  # line numbers when records have no id
-    assert [r["prediction"] for r in ours] == [json.loads(x)["prediction"] for x in records[:2]]
+    assert [r["id"] for r in ours] == ["1", "2", "3"]  # line numbers when records have no id
+    assert [r["prediction"] for r in ours[1:]] == [json.loads(x)["prediction"] for x in records[:2]]
 
     # A checkpoint without a tokenizer (converted, or copied without it) says what to pass.
     bare = tmp_path / "bare" / "4"
@@ -103,10 +115,9 @@ def test_predict_on_user_files_gives_the_evaluate_predictions(run, evaluated, tm
     argv = ["--checkpoint", str(bare), "--input", str(text), "--output", str(tmp_path / "t.jsonl")]
     assert predict.main(argv) == 2
     assert "holds no tokenizer" in capsys.readouterr().err
-    tokenizer = load_tokenizer(DataConfig(tokenizer_vocab_size=2000))
     assert predict.main([*argv, "--tokenizer", str(tokenizer.path), "--max_length", "32"]) == 0
     (row,) = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert row == {"id": "doc", "prediction": ours[0]["prediction"]}
+    assert row == {"id": "doc", "prediction": ours[1]["prediction"]}
 
 
 @pytest.mark.parametrize(

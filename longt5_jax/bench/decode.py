@@ -1,5 +1,7 @@
 """Decoding throughput: summaries/s of long documents, greedy and beam search, against
-transformers' `generate` on the same weights, inputs and device, measured in the same run.
+transformers' `generate` on the same weights, inputs and device, measured in the same run; or,
+with `--target GPU`, the HBM bytes of the same decoding on that GPU (compiled without it)
+against the least a step must move.
 
 Both decode the same random-weight model to the same tokens (our decoding matches `generate`
 token for token), so they do the same work; runs alternate so that drift hits both alike.
@@ -8,6 +10,7 @@ token for token), so they do the same work; runs alternate so that drift hits bo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ import numpy as np
 from longt5_jax import cli
 from longt5_jax.bench import results as page
 from longt5_jax.bench.report import write_json
+from longt5_jax.estimate import decode_bytes, targets
 from longt5_jax.formats import torch_reference
 from longt5_jax.infer.decode import DecodeConfig, generate
 from longt5_jax.model import LongT5, LongT5Config
@@ -31,13 +35,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--attention", default="transient-global", choices=["local", "transient-global"])
     p.add_argument("--input_length", type=cli.positive, default=4096)
     p.add_argument("--max_length", type=cli.positive, default=128, help="summary tokens decoded")
-    p.add_argument("--batch_size", type=cli.positive, default=1, help="documents per call")
+    p.add_argument(
+        "--batch_size", type=cli.positive, nargs="+", help="documents a call (1; --target: 1 8)"
+    )
     p.add_argument("--beams", type=cli.positive, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=cli.positive, default=3)
     p.add_argument("--no_reference", action="store_true", help="skip transformers")
+    p.add_argument(
+        "--target", help=f"{targets.names_help()}: HBM bytes a step on it (deviceless), not time"
+    )
     p.add_argument("--out_dir", type=cli.out_dir, default="bench_out")
     page.add_argument(p)
     args = p.parse_args(argv)
+    args.batch_size = args.batch_size or ([1, 8] if args.target else [1])
     page.check(args.results, "decode", argv)
     return args
 
@@ -94,6 +104,7 @@ def _row(batch: int, beams: int, times: list, compile_s: float, tokens, eos: int
     """Our timings of one beam count: the report's row and the table's line."""
     mean = statistics.median(times)
     row = {
+        "batch": batch,
         "beams": beams,
         "seconds": mean,
         "summaries_per_s": batch / mean,
@@ -115,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parse(argv)
+    if args.target:
+        return _bytes(args, argv)
     config = LongT5Config.preset(args.preset, args.attention)
     model, params = LongT5(config), _params(config)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(2, config.vocab_size, (args.batch_size, args.input_length)).astype(np.int32)
-    mask = np.ones_like(ids)
     reference = not args.no_reference and torch_reference.available()
+    torch_model = None
     if reference:
         import torch  # the optional reference (the test extra), only when it is installed
 
@@ -128,37 +139,16 @@ def _main(argv: list[str]) -> int:
         print(f"transformers on {torch.get_num_threads()} threads; ours on {jax.devices()[0]}")
     rows = []
     print(
-        f"{'beams':>5} {'ours s':>8} {'summ/s':>7} {'tok/s':>7} {'compile s':>9} "
+        f"{'batch':>5} {'beams':>5} {'ours s':>8} {'summ/s':>7} {'tok/s':>7} {'compile s':>9} "
         f"{'hf s':>8} {'hf summ/s':>9} {'speed-up':>8} {'spread':>7}"
     )
-    for beams in args.beams:
-        ours = _ours(model, params, ids, mask, beams, args.max_length)
-        compile_s, tokens = _timed(ours)
-        theirs = _theirs(torch_model, ids, mask, beams, args.max_length) if reference else None
-        times, ref_times = [], []
-        for _ in range(args.repeats):  # alternate: drift hits both alike
-            seconds, tokens = _timed(ours)
-            times.append(seconds)
-            if theirs is not None:
-                seconds, ref_tokens = _timed(theirs)
-                ref_times.append(seconds)
-        row, line = _row(args.batch_size, beams, times, compile_s, tokens, config.eos_id)
-        if ref_times:
-            ratios = [r / t for r, t in zip(ref_times, times, strict=True)]
-            ref = statistics.median(ref_times)
-            row |= {
-                "reference_seconds": ref,
-                "reference_times": ref_times,
-                "speedup": statistics.median(ratios),
-                "speedup_range": [min(ratios), max(ratios)],
-                "same_tokens": bool(_same(tokens, ref_tokens, config)),
-            }
-            line += (
-                f" {ref:>8.2f} {args.batch_size / ref:>9.3f} {row['speedup']:>7.2f}x "
-                f"{min(ratios):.2f}-{max(ratios):.2f}"
-            )
-        rows.append(row)
-        print(line, flush=True)
+    for batch in args.batch_size:
+        rng = np.random.default_rng(0)
+        ids = rng.integers(2, config.vocab_size, (batch, args.input_length)).astype(np.int32)
+        for beams in args.beams:
+            row, line = _race(args, config, (model, params), torch_model, ids, beams)
+            rows.append(row)
+            print(line, flush=True)
     out = Path(args.out_dir)
     report = {
         "device": str(jax.devices()[0]),
@@ -170,11 +160,124 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-def markdown(rows: list[dict]) -> str:
-    """The results page's table: ours and transformers' seconds a call by beam count."""
-    columns = ["beams", "ours s", "summaries/s", "tokens/s", "transformers s", "speed-up", "range"]
+def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, beams: int):
+    """Ours and transformers' (when given) decoding of `ids`, runs alternating: a row and a
+    line of the table."""
+    batch, mask = ids.shape[0], np.ones_like(ids)
+    model, params = ours_model
+    ours = _ours(model, params, ids, mask, beams, args.max_length)
+    compile_s, tokens = _timed(ours)
+    theirs = None
+    if torch_model is not None:
+        theirs = _theirs(torch_model, ids, mask, beams, args.max_length)
+    times, ref_times = [], []
+    for _ in range(args.repeats):  # alternate: drift hits both alike
+        seconds, tokens = _timed(ours)
+        times.append(seconds)
+        if theirs is not None:
+            seconds, ref_tokens = _timed(theirs)
+            ref_times.append(seconds)
+    row, line = _row(batch, beams, times, compile_s, tokens, config.eos_id)
+    if ref_times:
+        ratios = [r / t for r, t in zip(ref_times, times, strict=True)]
+        ref = statistics.median(ref_times)
+        row |= {
+            "reference_seconds": ref,
+            "reference_times": ref_times,
+            "speedup": statistics.median(ratios),
+            "speedup_range": [min(ratios), max(ratios)],
+            "same_tokens": bool(_same(tokens, ref_tokens, config)),
+        }
+        line += (
+            f" {ref:>8.2f} {batch / ref:>9.3f} {row['speedup']:>7.2f}x "
+            f"{min(ratios):.2f}-{max(ratios):.2f}"
+        )
+    return row, line
+
+
+def _bytes(args: argparse.Namespace, argv: list[str]) -> int:
+    """`--target`: the HBM bytes of decoding on that GPU against the bound, compiled without it."""
+    target, _ = targets.open_target(args.target, 1, 1)
+    config = LongT5Config.preset(args.preset, args.attention, dtype=target.dtype(None))
+    print(
+        f"{config.dtype} {args.preset} {args.attention}, {args.input_length:,} input tokens, "
+        f"{args.max_length} decoded, on {target.description} (compiled deviceless)"
+    )
+    print(
+        f"{'batch':>5} {'beams':>5} {'prefill GB':>10} {'step MB':>8} {'bound MB':>8} "
+        f"{'x bound':>7} {'MB/token':>8}"
+    )
+    rows = []
+    for batch in args.batch_size:
+        for beams in args.beams:
+            began = time.perf_counter()
+            found = decode_bytes.measured(
+                config, target, batch, beams, args.input_length, args.max_length
+            )
+            rows.append(_bytes_row(found, time.perf_counter() - began))
+            print(
+                f"{batch:>5} {beams:>5} {found.prefill / 1e9:>10.2f} {found.step / 1e6:>8.1f} "
+                f"{found.bound.total / 1e6:>8.1f} {found.over_bound:>6.2f}x "
+                f"{found.per_token / 1e6:>8.2f}",
+                flush=True,
+            )
+    report = {
+        "target": args.target,
+        "config": {k: v for k, v in vars(args).items() if k != "out_dir"},
+        "dtype": config.dtype,
+        "rows": rows,
+    }
+    write_json(Path(args.out_dir), "decode_bytes", report)
+    where = page.machine(target=target.description)
+    page.publish(args, "decode", argv, bytes_markdown(rows), where=where)
+    return 0
+
+
+def _bytes_row(found: decode_bytes.DecodeBytes, compile_s: float) -> dict:
+    return {
+        "batch": found.batch,
+        "beams": found.beams,
+        "prefill_bytes": found.prefill,
+        "step_bytes": found.step,
+        "bytes_per_token": found.per_token,
+        "bound_bytes": dataclasses.asdict(found.bound) | {"total": found.bound.total},
+        "over_bound": found.over_bound,
+        "compile_s": compile_s,
+    }
+
+
+def bytes_markdown(rows: list[dict]) -> str:
+    """The results page's table of `--target`: a step's bytes against its bound."""
+    columns = [
+        "batch", "beams", "prefill GB", "step MB", "bound MB (weights, self cache, cross)",
+        "step / bound", "MB a token",
+    ]  # fmt: skip
     table = [
         [
+            r["batch"],
+            r["beams"],
+            f"{r['prefill_bytes'] / 1e9:.2f}",
+            f"{r['step_bytes'] / 1e6:.1f}",
+            "{:.1f} ({:.1f}, {:.1f}, {:.1f})".format(
+                *(r["bound_bytes"][k] / 1e6 for k in ("total", "weights", "self_cache", "cross"))
+            ),
+            f"{r['over_bound']:.2f}x",
+            f"{r['bytes_per_token'] / 1e6:.2f}",
+        ]
+        for r in rows
+    ]
+    return page.markdown(columns, table)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results page's table: ours and transformers' seconds a call by beam count."""
+    columns = [
+        "batch", "beams", "ours s", "summaries/s", "tokens/s", "transformers s", "speed-up",
+        "range",
+    ]  # fmt: skip
+    table = [
+        [
+            r["batch"],
             r["beams"],
             f"{r['seconds']:.2f}",
             f"{r['summaries_per_s']:.3f}",

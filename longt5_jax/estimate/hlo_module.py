@@ -176,8 +176,19 @@ class Module:
         module._count(entry, 1)
         return module
 
-    def _count(self, name: str, times: int) -> None:
-        if name not in self.computations:
+    def counted_from(self, root: str, skip: frozenset[str] = frozenset()) -> Module:
+        """The program as if `root` were its entry (run once), not entering the computations
+        in `skip`: a loop body's work per iteration, or a program's without one of its loops."""
+        module = dataclasses.replace(self, entry=root, executions={})
+        module._count(root, 1, skip)
+        return module
+
+    def callees(self, instr: Instr) -> dict[str, list[str]]:
+        """The computations `instr` calls, by role (`body`, `condition`, `calls`, ...)."""
+        return {k: re.findall(r"%?([\w.\-]+)", v) for k, v in _CALLEES.findall(instr.attrs)}
+
+    def _count(self, name: str, times: int, skip: frozenset[str] = frozenset()) -> None:
+        if name not in self.computations or name in skip:
             return
         self.executions[name] = self.executions.get(name, 0) + times
         for instr in self.computations[name].instrs:
@@ -186,7 +197,7 @@ class Module:
             factor = self._trip_count(instr, callees) if instr.opcode == "while" else 1
             for key in keys:
                 for callee in callees.get(key, []):
-                    self._count(callee, times * factor)
+                    self._count(callee, times * factor, skip)
 
     def _trip_count(self, instr: Instr, callees: dict[str, list[str]]) -> int:
         m = _TRIP.search(instr.attrs)

@@ -17,8 +17,9 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from longt5_jax.model import LongT5, init_cache
+from longt5_jax.model import LongT5, LongT5Config, init_cache
 
+LOOP = "decode_loop"  # the token loops' name in a compiled program (`estimate.decode_bytes`)
 NEG = -1.0e9  # transformers' "never chosen" score, kept so beam scores match it exactly
 
 
@@ -105,6 +106,12 @@ def _stepper(model: LongT5, params: Any, encoded: jax.Array, mask: jax.Array) ->
     return step
 
 
+def _token_loop(cond: Callable, body: Callable, init: Any) -> Any:
+    """jax.lax.while_loop named LOOP: a compiled program's step is found by it."""
+    with jax.named_scope(LOOP):
+        return jax.lax.while_loop(cond, body, init)
+
+
 def _greedy_or_sample(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache, length, rng):
     """[B, length] tokens (pad after EOS) and their summed log-probabilities [B]."""
     b = start.shape[0]
@@ -140,7 +147,7 @@ def _greedy_or_sample(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, 
         i, (_, _, done, _) = state
         return (i < length) & ~jnp.all(done)
 
-    _, (out, score, _, _) = jax.lax.while_loop(cond, body, (jnp.int32(1), carry))
+    _, (out, score, _, _) = _token_loop(cond, body, (jnp.int32(1), carry))
     return out, score
 
 
@@ -214,7 +221,7 @@ def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache
         # Each live beam continues its parent's cache; cross-attention is the same for all beams.
         order = (rows + parent).reshape(-1)
         cache = {
-            name: jnp.take(x, order, axis=1) if name.startswith("self_") else x
+            name: jnp.take(x, order, axis=0) if name.startswith("self_") else x
             for name, x in cache.items()
         }
         going = jnp.any(open_) & ~jnp.all(ended_BK)
@@ -237,7 +244,7 @@ def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache
         t, _, going = carry
         return going & (t < length)
 
-    _, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), state, going))
+    _, state, _ = _token_loop(cond, body, (jnp.int32(1), state, going))
     return state[2][:, 0], state[3][:, 0]
 
 
@@ -261,10 +268,21 @@ def generate(
     return _generate(model, params, input_ids, attention_mask, cfg, length, rng)
 
 
+def _decoding_params(params: Any, c: LongT5Config) -> Any:
+    """The parameters with the decoder's layers in the compute dtype. Each layer casts its
+    weights where it uses them; cast once a call instead, a step reads the half-size copy (the
+    same values) rather than reading the float32 weights and writing a copy every token."""
+    if c.compute_dtype == jnp.float32:
+        return params
+    layers = jax.tree.map(lambda p: p.astype(c.compute_dtype), params["decoder"]["layers"])
+    return {**params, "decoder": {**params["decoder"], "layers": layers}}
+
+
 @functools.partial(jax.jit, static_argnames=("model", "cfg", "length"))
 def _generate(model, params, input_ids, attention_mask, cfg, length, rng):
     c = model.config
     b = input_ids.shape[0]
+    params = _decoding_params(params, c)
     encoded = model.apply({"params": params}, input_ids, attention_mask, method=LongT5.encode)
     if cfg.num_beams > 1:
         return beam_search(model, params, encoded, attention_mask, cfg, length)
@@ -284,10 +302,9 @@ def beam_search(
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search over an encoder output [B, L, D] (any num_beams, 1 included)."""
     c, b, n = model.config, encoded.shape[0], cfg.num_beams
-    # The decoder sees each document once per beam; the encoder ran once.
-    step = _stepper(
-        model, params, jnp.repeat(encoded, n, axis=0), jnp.repeat(attention_mask, n, axis=0)
-    )
+    # The decoder's rows are the beams, N a document; its cross-attention keys and values are
+    # the document's, once (`blocks.DecoderLayer`).
+    step = _stepper(model, params, encoded, attention_mask)
     start = jnp.full((b,), c.decoder_start_id, jnp.int32)
     cache = init_cache(c, b * n, length)
     return _beam_search(step, cfg, c.eos_id, c.pad_id, start, cache, length, b)

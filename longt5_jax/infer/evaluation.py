@@ -1,8 +1,9 @@
 """Evaluation of a split: teacher-forced loss over every example, decoded summaries and ROUGE.
 
-Every process reads the same examples in the same order; each batch's rows are laid out over the
-`data` axis with each process giving its contiguous block, and decoded tokens are gathered back,
-so all processes see every prediction (process 0 writes them).
+Every process reads the same examples in the same order (and so makes the same plan of batches
+grouped by length to decode them in, `batches`); each batch's rows are laid out over the `data`
+axis with each process giving its contiguous block, and decoded tokens are gathered back, so all
+processes see every prediction (process 0 writes them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from jax.experimental import multihost_utils
 from longt5_jax.data import batching
 from longt5_jax.data.pipeline import DataConfig, Preprocess, open_split
 from longt5_jax.data.tokenizer import Tokenizer
+from longt5_jax.infer import batches
 from longt5_jax.infer.rouge import rouge
+from longt5_jax.model import LongT5Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,28 +94,35 @@ def eval_loss(
     }
 
 
+def decoding_plan(
+    examples: list[Example], cfg: DataConfig, batch_size: int, model: LongT5Config
+) -> batches.Plan:
+    """The batches `predict` decodes `examples` in: grouped by length, on `model`'s block grid."""
+    step = batches.granularity(model)
+    buckets = batches.bucket_lengths(cfg.input_length, step)
+    return batches.by_length([len(e.inputs) for e in examples], batch_size, buckets)
+
+
 def predict(
     generate: Callable[[np.ndarray, np.ndarray], Any],
     examples: list[Example],
     cfg: DataConfig,
     batch_size: int,
+    model: LongT5Config,
     progress: Callable[[int], None] | None = None,
 ) -> list[np.ndarray]:
-    """Decoded token ids of each example; `generate(ids, mask)` takes this process's rows."""
-    out: list[np.ndarray] = []
-    for start, batch in zip(
-        range(0, len(examples), batch_size), _batches(examples, cfg, batch_size), strict=True
-    ):
-        local = local_rows(batch)
-        tokens = generate(local["encoder_input_tokens"], local["encoder_segment_ids"])
+    """Decoded token ids of each example, in order, in the batches of `decoding_plan`;
+    `generate(ids, mask)` takes this process's rows."""
+
+    def whole_batch(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        local = local_rows({"ids": ids, "mask": mask})
+        tokens = generate(local["ids"], local["mask"])
         if jax.process_count() > 1:
             tokens = multihost_utils.process_allgather(tokens, tiled=True)
-        tokens = np.asarray(jax.device_get(tokens))
-        real = min(batch_size, len(examples) - start)
-        out.extend(tokens[:real])
-        if progress is not None:
-            progress(real)
-    return out
+        return np.asarray(jax.device_get(tokens))
+
+    plan = decoding_plan(examples, cfg, batch_size, model)
+    return batches.decode(whole_batch, [e.inputs for e in examples], plan, progress)
 
 
 def rouge_of(

@@ -67,12 +67,14 @@ class Attention(nn.Module):
         mask_BTS: jax.Array,
         bias_HTS: jax.Array | None = None,
         rows: Rows | None = None,
+        cached: bool = False,
     ) -> jax.Array:
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         seed = self.dropout(rows)
-        # Cached decoding (one query a step) stays on XLA: there is no score tensor to save.
-        if kernels.fused(c) and q_BTHK.shape[1] > 1:
+        # Cached decoding (one query a step, or a document's beams) stays on XLA: there is no
+        # score tensor to save.
+        if kernels.fused(c) and not cached and q_BTHK.shape[1] > 1:
             dropout = None
             if seed is not None:
                 assert rows is not None  # a seed is drawn only for rows (AttentionDropout)
@@ -81,10 +83,13 @@ class Attention(nn.Module):
                 q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS=bias_HTS, dropout=dropout
             )
             return self.out(nn.with_logical_constraint(out_BTHK, HEADS))
+        # A cached step's few queries (a document's beams) against many keys: products and sums,
+        # which XLA reads each layer's keys and values for in place; as a matmul it would first
+        # copy them into its operand layout, every step (`estimate.decode_bytes`).
+        few = cached and q_BTHK.shape[1] > 1
         # Logits and softmax in float32 whatever the compute dtype.
-        logits_BHTS = jnp.einsum(
-            "bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32
-        )
+        scores = _summed_products if few else _einsum_f32
+        logits_BHTS = scores("bthk,bshk->bhts", q_BTHK, k_BSHK)
         if bias_HTS is not None:
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
@@ -97,5 +102,30 @@ class Attention(nn.Module):
             scale = dropout_scale(seed, row, head, query=query, key=key, rate=c.dropout_rate)
             probs = probs * scale
         probs = probs.astype(c.compute_dtype)
-        out_BTHK = nn.with_logical_constraint(jnp.einsum("bhts,bshk->bthk", probs, v_BSHK), HEADS)
+        if few:
+            out = _summed_products("bhts,bshk->bthk", probs, v_BSHK).astype(c.compute_dtype)
+        else:
+            out = jnp.einsum("bhts,bshk->bthk", probs, v_BSHK)
+        out_BTHK = nn.with_logical_constraint(out, HEADS)
         return self.out(out_BTHK)
+
+
+def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _summed_products(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum(spec, a, b) in float32 as broadcast products summed: the same sums (a product of
+    two compute-dtype values is exact in float32), which XLA fuses with reading its operands."""
+    ins, out = spec.split("->")
+    left, right = ins.split(",")
+    letters = sorted(set(left + right) - set(out))  # the contracted letters
+    every = out + "".join(letters)
+    f32 = jnp.float32
+
+    def spread(x: jax.Array, have: str) -> jax.Array:
+        x = jnp.einsum(f"{have}->{''.join(l for l in every if l in have)}", x.astype(f32))
+        return jnp.expand_dims(x, [i for i, l in enumerate(every) if l not in have])
+
+    product = spread(a, left) * spread(b, right)
+    return jnp.sum(product, axis=tuple(range(len(out), len(every))))

@@ -53,7 +53,14 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm causal self-attention, cross-attention and MLP; may read and write a KV cache."""
+    """Pre-norm causal self-attention, cross-attention and MLP; may read a KV cache.
+
+    With a cache (every layer's, whole: the stack passes it to each layer unscanned), the layer
+    reads its own slices and returns only what is new: this call's keys and values, and the
+    cross-attention keys and values on the call that computes them. The decoder writes the new
+    keys into the cache once for all layers, in place, so a step moves neither the self-attention
+    cache it appends to nor the cross-attention keys it only reads.
+    """
 
     config: LongT5Config
     deterministic: bool
@@ -76,24 +83,49 @@ class DecoderLayer(nn.Module):
         h = norm(name="pre_self_attention_layer_norm")(x)
         attn = Attention(c, det, name="self_attention")
         k, v = attn.keys_values(h)
+        new: Cache | None = None
         if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache["self_k"], k, cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache["self_v"], v, cache_index, axis=1)
-        h = attn(h, k, v, self_mask, self_bias_HTS, rows)
+            new = dict(self_k=k, self_v=v)
+            k = jax.lax.dynamic_update_slice_in_dim(
+                cache["self_k"][:, layer], k, cache_index, axis=1
+            )
+            v = jax.lax.dynamic_update_slice_in_dim(
+                cache["self_v"][:, layer], v, cache_index, axis=1
+            )
+        h = attn(h, k, v, self_mask, self_bias_HTS, rows, cached=cache is not None)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
 
         h = norm(name="pre_cross_attention_layer_norm")(x)
         cross = Attention(c, det, name="encoder_decoder_attention")
         if cache is not None and "cross_k" in cache:
-            ck, cv = cache["cross_k"], cache["cross_v"]
+            ck, cv = cache["cross_k"][layer], cache["cross_v"][layer]
         else:  # Training, or the first decoding step, which fills the cross-attention cache.
             ck, cv = cross.keys_values(encoded)
-        x = clamp_float16(
-            x + Dropout(c.dropout_rate, det)(cross(h, ck, cv, cross_mask, None, rows), rows)
-        )
+            if new is not None:
+                new |= dict(cross_k=ck, cross_v=cv)
+        h = _cross_attention(cross, h, ck, cv, cross_mask, rows, cache is not None)
+        x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
 
         h = MLP(c, det, name="mlp")(norm(name="pre_mlp_layer_norm")(x), rows)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         x = nn.with_logical_constraint(x, EMBED)
-        new_cache = None if cache is None else dict(self_k=k, self_v=v, cross_k=ck, cross_v=cv)
-        return x, new_cache
+        return x, new
+
+
+def _cross_attention(
+    cross: Attention,
+    h_BTD: jax.Array,
+    k_BSHK: jax.Array,
+    v_BSHK: jax.Array,
+    mask_BTS: jax.Array,
+    rows: Rows | None,
+    cached: bool,
+) -> jax.Array:
+    """Cross-attention; decoder rows that are beams (N a document, the document's keys once:
+    [B, ...] against [B * N, ...] queries) attend as N times the queries of their document, so
+    a beam search reads each document's keys and values once a step, not once a beam."""
+    b, bn = k_BSHK.shape[0], h_BTD.shape[0]
+    if b == bn:
+        return cross(h_BTD, k_BSHK, v_BSHK, mask_BTS, None, rows, cached=cached)
+    folded = h_BTD.reshape(b, bn // b * h_BTD.shape[1], h_BTD.shape[2])
+    return cross(folded, k_BSHK, v_BSHK, mask_BTS, None, rows, cached=cached).reshape(h_BTD.shape)

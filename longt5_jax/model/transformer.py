@@ -142,7 +142,9 @@ class Decoder(nn.Module):
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
         bias_HTS = _decoder_bias(c, table_HR, self_mask.shape[-1], cache_index, y.shape[1])
         y = Dropout(c.dropout_rate, deterministic)(y, rows_of(row_ids))
-        in_axes = (0, 0) + (nn.broadcast,) * 6
+        # The cache goes to every layer whole (each reads its slices), not scanned: a scan would
+        # rewrite the whole cache (cross-attention keys included) into its outputs every step.
+        in_axes = (0,) + (nn.broadcast,) * 7
         layers = stack.scanned(
             DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers"
         )
@@ -150,7 +152,8 @@ class Decoder(nn.Module):
         if cache is not None or self.is_initializing():
             rows = DecoderRowInputs(row_ids, encoded, self_mask, cross_mask)
             args = _layer_args(rows, shared, _DECODER_ARGS)
-            y, cache = layers(y, jnp.arange(c.num_decoder_layers), cache, *args)
+            y, new = layers(y, jnp.arange(c.num_decoder_layers), cache, *args)
+            cache = None if cache is None else _updated(cache, new, cache_index)
         else:  # training: the encoder output follows each microbatch to every stage
 
             def call(apply, h, rows, shared):
@@ -184,6 +187,20 @@ class Decoder(nn.Module):
             name="logits_dense",
         )(y)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab")), cache
+
+
+def _updated(cache: Cache, new: Cache, index: jax.Array) -> Cache:
+    """The cache with every layer's new keys and values ([layers, B, T, H, K] from the layers'
+    scan) written at `index` (in place, inside a decoding loop), and the cross-attention keys
+    and values when this step made them."""
+    out = dict(cache)
+    for name in ("self_k", "self_v"):
+        rows_first = jnp.swapaxes(new[name], 0, 1)
+        out[name] = jax.lax.dynamic_update_slice_in_dim(cache[name], rows_first, index, axis=2)
+    for name in ("cross_k", "cross_v"):
+        if name in new:
+            out[name] = new[name]
+    return out
 
 
 def _decoder_bias(
@@ -337,8 +354,12 @@ class LongT5(nn.Module):
 
 
 def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
-    """An empty self-attention KV cache of `max_length` positions (cross keys come later)."""
-    shape = (config.num_decoder_layers, batch, max_length, config.num_heads, config.d_kv)
+    """An empty self-attention KV cache of `max_length` positions (cross keys come later).
+
+    Rows outermost ([B, layers, T, H, K]): a beam search's reorder takes whole rows, which XLA
+    gathers into the loop's buffer as they lie; layers outermost, it transposed a copy each step.
+    """
+    shape = (batch, config.num_decoder_layers, max_length, config.num_heads, config.d_kv)
     zeros = jnp.zeros(shape, config.compute_dtype)
     return dict(self_k=zeros, self_v=zeros)
 

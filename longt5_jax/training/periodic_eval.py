@@ -71,15 +71,16 @@ class PeriodicEval:
         if self.cfg.rouge_every and step % self.cfg.rouge_every == 0:
             examples = self._load(self.cfg.rouge_examples)
             length = self.decode.max_length or self.data.target_length
+            model = self.step.model.config
             generator = Generator(
-                LongT5(self.step.model.config),
+                LongT5(model),
                 params,
                 self.step.mesh,
                 self.step.parallel,
                 self.decode,
                 length,
             )
-            tokens = predict(generator.tokens, examples, self.data, rows)
+            tokens = predict(generator.tokens, examples, self.data, rows, model)
             scores, _ = rouge_of(self.tokenizer, examples, tokens)
             out |= {f"eval/{k}": v for k, v in scores.items() if not k.endswith(("_low", "_high"))}
         return out
