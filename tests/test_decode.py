@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import padded_batch, random_params, torch_model
 
+from longt5_jax.estimate import decode_bytes, targets
 from longt5_jax.infer.decode import (
     DecodeConfig,
     beam_search,
@@ -220,3 +221,21 @@ def test_decoding_on_a_data_tensor_mesh_equals_one_device(beams):
     assert tokens.sharding.spec[0] == "data"
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(single[0]))
     np.testing.assert_allclose(np.asarray(scores), np.asarray(single[1]), rtol=1e-5)
+
+
+@pytest.mark.slow  # two deviceless GPU compiles of the whole decoding program
+@pytest.mark.skipif(not targets.have_gpu_compiler(), reason="the gpu extra is not installed")
+def test_beams_read_their_documents_cross_attention_keys_once_a_step():
+    """On an H100 (compiled without it): a step with two beams a document moves less than a
+    quarter of the documents' cross-attention keys and values more than a step with one. With
+    the keys repeated for each beam, the second beam read them all again; with the cache scanned
+    through the layers, every step rewrote them too."""
+    config = LongT5Config.preset(
+        "tiny", "transient-global", dtype="bfloat16", d_model=256, num_heads=4, d_kv=64, d_ff=512
+    )
+    target = targets.load("h100-80gb")
+    one, two = (decode_bytes.measured(config, target, 4, n, 2048, 16) for n in (1, 2))
+    assert one.bound.cross == two.bound.cross == 2 * 2 * 4 * 2048 * 4 * 64 * 2
+    # Measured: 45.4 MB a step with one beam, 46.7 MB with two; the keys and values are 16.8 MB.
+    assert two.step - one.step < one.bound.cross / 4, (one.step, two.step)
+    assert one.step < 3 * one.bound.total, (one.step, one.bound)
