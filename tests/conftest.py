@@ -70,13 +70,6 @@ SPREAD = {
 }
 
 
-def pytest_xdist_auto_num_workers(config):
-    """One test process more than the cores (`--numprocesses=auto`; pyproject caps it at 4):
-    many tests wait on processes they start, servers and signals, and two processes on 2 cores
-    left them idle a seventh of a run (the default pass took 9:04 with two, 8:17 with three)."""
-    return (os.cpu_count() or 1) + 1
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """With several test processes (pytest-xdist, --dist=loadfile), a file's tests run in one of
