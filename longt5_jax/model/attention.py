@@ -114,18 +114,20 @@ def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _summed_products(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+def _summed_products(spec: str, a: jax.Array, b: jax.Array, order: str = "bhtsk") -> jax.Array:
     """einsum(spec, a, b) in float32 as broadcast products summed: the same sums (a product of
-    two compute-dtype values is exact in float32), which XLA fuses with reading its operands."""
+    two compute-dtype values is exact in float32), which XLA fuses with reading its operands.
+    The products lie in `order`, the keys' and values' own ([B, S, H, K] read as [B, H, S, K]):
+    in another, XLA transposed a copy of the values each layer and step."""
     ins, out = spec.split("->")
     left, right = ins.split(",")
-    letters = sorted(set(left + right) - set(out))  # the contracted letters
-    every = out + "".join(letters)
     f32 = jnp.float32
 
     def spread(x: jax.Array, have: str) -> jax.Array:
-        x = jnp.einsum(f"{have}->{''.join(l for l in every if l in have)}", x.astype(f32))
-        return jnp.expand_dims(x, [i for i, l in enumerate(every) if l not in have])
+        x = jnp.einsum(f"{have}->{''.join(c for c in order if c in have)}", x.astype(f32))
+        return jnp.expand_dims(x, [i for i, c in enumerate(order) if c not in have])
 
-    product = spread(a, left) * spread(b, right)
-    return jnp.sum(product, axis=tuple(range(len(out), len(every))))
+    contracted = tuple(i for i, c in enumerate(order) if c not in out)
+    summed = jnp.sum(spread(a, left) * spread(b, right), axis=contracted)
+    kept = "".join(c for c in order if c in out)
+    return jnp.einsum(f"{kept}->{out}", summed)
