@@ -114,8 +114,8 @@ def _row(batch: int, beams: int, times: list, compile_s: float, tokens, eos: int
     }
     row["tokens_per_s"] = row["decoded_tokens"] * batch / mean
     line = (
-        f"{beams:>5} {mean:>8.2f} {row['summaries_per_s']:>7.3f} {row['tokens_per_s']:>7.1f} "
-        f"{compile_s:>9.1f}"
+        f"{batch:>5} {beams:>5} {mean:>8.2f} {row['summaries_per_s']:>7.3f} "
+        f"{row['tokens_per_s']:>7.1f} {compile_s:>9.1f}"
     )
     return row, line
 
