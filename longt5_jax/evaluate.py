@@ -138,9 +138,7 @@ def evaluate(args: argparse.Namespace, cfg: EvalSections, step_dir: Path) -> dic
     plan = evaluation.decoding_plan(examples, data, data.batch_size, model)
     print(plan.summary())
     with tqdm(total=len(examples), desc=f"decoding {split}", unit="doc", disable=None) as bar:
-        tokens = evaluation.predict(
-            generator.tokens, examples, data, data.batch_size, model, bar.update
-        )
+        tokens = evaluation.predict(generator.tokens, examples, plan, bar.update)
     scores, records = evaluation.rouge_of(tokenizer, examples, tokens)
     step = step_of(step_dir)
     metrics |= scores | {

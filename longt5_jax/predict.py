@@ -150,8 +150,7 @@ def predict(args: argparse.Namespace) -> int:
     rows = -(-args.batch_size // data) * data  # whole rows for every data rank
 
     ids = _encode(docs, tokenizer, length, args.input)
-    buckets = batches.bucket_lengths(length, batches.granularity(config))
-    plan = batches.by_length([len(x) for x in ids], rows, buckets)
+    plan = batches.for_model([len(x) for x in ids], rows, length, config)
     print(plan.summary())
 
     def generate(batch: npt.NDArray[Any], mask: npt.NDArray[Any]) -> npt.NDArray[Any]:

@@ -95,9 +95,7 @@ def test_grouped_batches_decode_the_same_tokens_as_each_document_alone(params, n
     grouped = evaluation.predict(
         lambda ids, mask: generate(model, params, ids, mask, cfg, steps)[0],
         examples,
-        data,
-        2,
-        model=TINY,
+        plan,
     )
     for doc, tokens in zip(docs, grouped, strict=True):
         alone = generate(model, params, doc[None], np.ones((1, len(doc)), np.int32), cfg, steps)

@@ -68,10 +68,9 @@ def bound(
     positions for batch x beams rows, and the cross-attention keys and values of `batch`
     documents of `input_length` tokens."""
     half = jnp.dtype(config.compute_dtype).itemsize
-    params = nn.unbox(abstract_params(LongT5(config)))
-    layers = sum(x.size for x in jax.tree.leaves(params["decoder"]["layers"]))
-    rest = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["decoder"]))
-    rest -= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["decoder"]["layers"]))
+    decoder = dict(nn.unbox(abstract_params(LongT5(config)))["decoder"])
+    layers = sum(x.size for x in jax.tree.leaves(decoder.pop("layers")))
+    rest = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(decoder))
     rows = batch * beams
     embedding = rows * config.d_model * 4
     heads = config.num_decoder_layers * 2 * config.num_heads * config.d_kv * half

@@ -99,6 +99,11 @@ def by_length(lengths: Sequence[int], rows: int, buckets: Sequence[int]) -> Plan
     return Plan(tuple(batches), rows, sum(lengths), longest)
 
 
+def for_model(lengths: Sequence[int], rows: int, input_length: int, config: LongT5Config) -> Plan:
+    """`by_length` on `config`'s block grid up to `input_length`."""
+    return by_length(lengths, rows, bucket_lengths(input_length, granularity(config)))
+
+
 def padded(
     documents: Sequence[np.ndarray], batch: Batch, rows: int
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -98,20 +98,16 @@ def decoding_plan(
     examples: list[Example], cfg: DataConfig, batch_size: int, model: LongT5Config
 ) -> batches.Plan:
     """The batches `predict` decodes `examples` in: grouped by length, on `model`'s block grid."""
-    step = batches.granularity(model)
-    buckets = batches.bucket_lengths(cfg.input_length, step)
-    return batches.by_length([len(e.inputs) for e in examples], batch_size, buckets)
+    return batches.for_model([len(e.inputs) for e in examples], batch_size, cfg.input_length, model)
 
 
 def predict(
     generate: Callable[[np.ndarray, np.ndarray], Any],
     examples: list[Example],
-    cfg: DataConfig,
-    batch_size: int,
-    model: LongT5Config,
+    plan: batches.Plan,
     progress: Callable[[int], None] | None = None,
 ) -> list[np.ndarray]:
-    """Decoded token ids of each example, in order, in the batches of `decoding_plan`;
+    """Decoded token ids of each example, in order, in the batches of `plan` (`decoding_plan`);
     `generate(ids, mask)` takes this process's rows."""
 
     def whole_batch(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -121,7 +117,6 @@ def predict(
             tokens = multihost_utils.process_allgather(tokens, tiled=True)
         return np.asarray(jax.device_get(tokens))
 
-    plan = decoding_plan(examples, cfg, batch_size, model)
     return batches.decode(whole_batch, [e.inputs for e in examples], plan, progress)
 
 

@@ -13,6 +13,7 @@ from longt5_jax.infer.decode import DecodeConfig
 from longt5_jax.infer.evaluation import (
     EvalConfig,
     Example,
+    decoding_plan,
     eval_loss,
     load_examples,
     predict,
@@ -80,7 +81,8 @@ class PeriodicEval:
                 self.decode,
                 length,
             )
-            tokens = predict(generator.tokens, examples, self.data, rows, model)
+            plan = decoding_plan(examples, self.data, rows, model)
+            tokens = predict(generator.tokens, examples, plan)
             scores, _ = rouge_of(self.tokenizer, examples, tokens)
             out |= {f"eval/{k}": v for k, v in scores.items() if not k.endswith(("_low", "_high"))}
         return out
