@@ -89,11 +89,23 @@ Step = Callable[[jax.Array, Any, int | jax.Array], tuple[jax.Array, Any]]
 
 
 def _stepper(model: LongT5, params: Any, encoded: jax.Array, mask: jax.Array) -> Step:
-    """step(tokens [R], cache, index) -> (float32 logits [R, V], cache) for the R rows."""
+    """step(tokens [R], cache, index) -> (float32 logits [R, V], cache) for the R rows.
+
+    The decoder's layers enter the token loop an array a layer (sliced once a call) and are
+    stacked again inside it: a step's layers are unrolled, and XLA reads each layer's slice of
+    that stack as the layer's own array, where it lies. Sliced from the stack every step, each
+    layer's weights were copied every token (XLA:CPU's matmuls and a GPU's alike).
+    """
+    decoder = params["decoder"]
+    layers = [
+        jax.tree.map(lambda p, i=i: p[i], decoder["layers"])
+        for i in range(model.config.num_decoder_layers)
+    ]
 
     def step(tokens, cache, index):
+        stacked = jax.tree.map(lambda *each: jnp.stack(each), *layers)
         logits, cache = model.apply(
-            {"params": params},
+            {"params": {**params, "decoder": {**decoder, "layers": stacked}}},
             encoded,
             mask,
             tokens[:, None],

@@ -62,34 +62,42 @@ class Attention(nn.Module):
     def __call__(
         self,
         x_BTD: jax.Array,
-        k_BSHK: jax.Array,
-        v_BSHK: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
         mask_BTS: jax.Array,
         bias_HTS: jax.Array | None = None,
         rows: Rows | None = None,
         cached: bool = False,
+        layouts: tuple[str, str] = ("bshk", "bshk"),
     ) -> jax.Array:
+        """Attention of x's queries over keys and values that lie as `layouts` says: [B, S, H, K]
+        ('bshk', as `keys_values` makes them) or as a decoding cache holds them, where a step
+        reads them in place (`blocks.cached_layouts`)."""
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         seed = self.dropout(rows)
         # Cached decoding (one query a step, or a document's beams) stays on XLA: there is no
         # score tensor to save.
         if kernels.fused(c) and not cached and q_BTHK.shape[1] > 1:
+            assert layouts == ("bshk", "bshk")  # other layouts are a decoding cache's
             dropout = None
             if seed is not None:
                 assert rows is not None  # a seed is drawn only for rows (AttentionDropout)
                 dropout = (seed, rows.ids, c.dropout_rate)
             out_BTHK = kernels.decoder_attention(
-                q_BTHK, k_BSHK, v_BSHK, mask_BTS, bias_HTS=bias_HTS, dropout=dropout
+                q_BTHK, k, v, mask_BTS, bias_HTS=bias_HTS, dropout=dropout
             )
             return self.out(nn.with_logical_constraint(out_BTHK, HEADS))
         # A cached step's few queries (a document's beams) against many keys: products and sums,
         # which XLA reads each layer's keys and values for in place; as a matmul it would first
         # copy them into its operand layout, every step (`estimate.decode_bytes`).
         few = cached and q_BTHK.shape[1] > 1
+        keys, values = layouts
         # Logits and softmax in float32 whatever the compute dtype.
-        scores = _summed_products if few else _einsum_f32
-        logits_BHTS = scores("bthk,bshk->bhts", q_BTHK, k_BSHK)
+        if few:
+            logits_BHTS = _summed_products(f"bthk,{keys}->bhts", q_BTHK, k, _order(keys))
+        else:
+            logits_BHTS = _einsum_f32(f"bthk,{keys}->bhts", q_BTHK, k)
         if bias_HTS is not None:
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS + jnp.where(mask_BTS, 0.0, MASKED)[:, None]
@@ -103,22 +111,29 @@ class Attention(nn.Module):
             probs = probs * scale
         probs = probs.astype(c.compute_dtype)
         if few:
-            out = _summed_products("bhts,bshk->bthk", probs, v_BSHK).astype(c.compute_dtype)
+            out = _summed_products(f"bhts,{values}->bthk", probs, v, _order(values))
+            out = out.astype(c.compute_dtype)
         else:
-            out = jnp.einsum("bhts,bshk->bthk", probs, v_BSHK)
+            out = jnp.einsum(f"bhts,{values}->bthk", probs, v)
         out_BTHK = nn.with_logical_constraint(out, HEADS)
         return self.out(out_BTHK)
+
+
+def _order(layout: str) -> str:
+    """Summed products' order over keys or values lying in `layout`: the batch, heads and
+    queries, then the operand's own dimensions."""
+    return "bht" + layout.replace("b", "").replace("h", "")
 
 
 def _einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _summed_products(spec: str, a: jax.Array, b: jax.Array, order: str = "bhtsk") -> jax.Array:
+def _summed_products(spec: str, a: jax.Array, b: jax.Array, order: str) -> jax.Array:
     """einsum(spec, a, b) in float32 as broadcast products summed: the same sums (a product of
     two compute-dtype values is exact in float32), which XLA fuses with reading its operands.
-    The products lie in `order`, the keys' and values' own ([B, S, H, K] read as [B, H, S, K]):
-    in another, XLA transposed a copy of the values each layer and step."""
+    The products lie in `order`, the keys' and values' own: in another, XLA transposed a copy
+    of the values each layer and step."""
     ins, out = spec.split("->")
     left, right = ins.split(",")
     f32 = jnp.float32

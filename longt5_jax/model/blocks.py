@@ -9,6 +9,7 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from longt5_jax.model.attention import Attention
 from longt5_jax.model.config import LongT5Config
@@ -102,6 +103,10 @@ class DecoderLayer(nn.Module):
         else:  # Training, or the first decoding step, which fills the cross-attention cache.
             ck, cv = cross.keys_values(encoded)
             if new is not None:
+                layouts = cached_layouts(x.shape[0] // encoded.shape[0])
+                ck, cv = (
+                    jnp.einsum(f"bshk->{to}", a) for a, to in zip((ck, cv), layouts, strict=True)
+                )
                 new |= dict(cross_k=ck, cross_v=cv)
         h = _cross_attention(cross, h, ck, cv, cross_mask, rows, cache is not None)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
@@ -112,20 +117,33 @@ class DecoderLayer(nn.Module):
         return x, new
 
 
+def cached_layouts(beams: int) -> tuple[str, str]:
+    """How a decoding cache holds a layer's cross-attention keys and values (`Attention`'s
+    layouts): heads first, so that a step reads them where they lie. One query a document
+    attends by matmuls, which on XLA:CPU take the keys positions minor; a document's beams by
+    products summed over the minor dimension, which a GPU's fusions read in place only with the
+    head dimension minor. In any other layout a step copied each layer's keys or values every
+    token (`estimate.decode_bytes`; CPU profiles of `bench decode`)."""
+    return ("bhks" if beams == 1 else "bhsk"), "bhsk"
+
+
 def _cross_attention(
     cross: Attention,
     h_BTD: jax.Array,
-    k_BSHK: jax.Array,
-    v_BSHK: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     mask_BTS: jax.Array,
     rows: Rows | None,
     cached: bool,
 ) -> jax.Array:
-    """Cross-attention; decoder rows that are beams (N a document, the document's keys once:
-    [B, ...] against [B * N, ...] queries) attend as N times the queries of their document, so
-    a beam search reads each document's keys and values once a step, not once a beam."""
-    b, bn = k_BSHK.shape[0], h_BTD.shape[0]
+    """Cross-attention over keys and values [B, S, H, K] (cached: `cached_layouts`); decoder rows
+    that are beams (N a document, the document's keys once: [B, ...] against [B * N, ...]
+    queries) attend as N times the queries of their document, so a beam search reads each
+    document's keys and values once a step, not once a beam."""
+    b, bn = k.shape[0], h_BTD.shape[0]
+    layouts = cached_layouts(bn // b) if cached else ("bshk", "bshk")
+    attend = functools.partial(cross, rows=rows, cached=cached, layouts=layouts)
     if b == bn:
-        return cross(h_BTD, k_BSHK, v_BSHK, mask_BTS, None, rows, cached=cached)
+        return attend(h_BTD, k, v, mask_BTS)
     folded = h_BTD.reshape(b, bn // b * h_BTD.shape[1], h_BTD.shape[2])
-    return cross(folded, k_BSHK, v_BSHK, mask_BTS, None, rows, cached=cached).reshape(h_BTD.shape)
+    return attend(folded, k, v, mask_BTS).reshape(h_BTD.shape)

@@ -68,15 +68,17 @@ def scanned(
     in_axes: tuple,
     deterministic: bool,
     name: str | None,
+    unrolled: bool | None = None,
     **kwargs,
 ) -> nn.Module:
     """`num_layers` copies of `layer` as one scan; parameters gain a leading 'layers' axis.
+    The scan is unrolled where `unrolled` says so, by default where the config does.
 
     Every layer reads the same dropout key; its masks differ by the layer's index, its first
     scanned argument, which a chunk of a pipeline knows too (a split key would not be the same
     for a chunk of the stack as for the whole).
     """
-    unrolled = not config.scan_layers
+    unrolled = not config.scan_layers if unrolled is None else unrolled
     # Unrolled, only prevent_cse keeps XLA from merging a remat's recomputation with the forward.
     if config.remat != "none":
         layer = nn.remat(layer, policy=_REMAT[config.remat], prevent_cse=unrolled)

@@ -145,8 +145,16 @@ class Decoder(nn.Module):
         # The cache goes to every layer whole (each reads its slices), not scanned: a scan would
         # rewrite the whole cache (cross-attention keys included) into its outputs every step.
         in_axes = (0,) + (nn.broadcast,) * 7
+        # A decoding step's layers unrolled: each reads its weights and caches at fixed offsets,
+        # which XLA reads where they lie (`infer.decode._stepper`), not sliced into copies.
         layers = stack.scanned(
-            DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers"
+            DecoderLayer,
+            c,
+            c.num_decoder_layers,
+            in_axes,
+            deterministic,
+            "layers",
+            unrolled=True if cache is not None else None,
         )
         shared = DecoderSharedInputs(bias_HTS, cache_index)
         if cache is not None or self.is_initializing():
