@@ -63,6 +63,10 @@ def test_decode_benchmark_races_transformers_on_the_same_tokens(tmp_path):
     for row in rows:
         assert row["same_tokens"] and 0 < row["decoded_tokens"] <= 8
         assert row["summaries_per_s"] == 1 / row["seconds"] and row["speedup"] > 0
+        # Where each side's time goes: the encoder alone, then the first token and each step.
+        for parts in (row["ours_parts"], row["reference_parts"]):
+            assert set(parts) == {"encoder_s", "first_token_s", "step_ms"}
+            assert 0 < parts["encoder_s"] < row["seconds"] + row["reference_seconds"]
 
 
 def test_device_benchmark_refuses_bad_cases_and_a_machine_without_a_gpu(tmp_path, capsys):

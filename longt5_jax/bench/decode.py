@@ -58,6 +58,27 @@ def _params(config: LongT5Config, seed: int = 0):
     return init(jax.random.key(seed))
 
 
+def _ours_encoder(model, params, ids, mask):
+    encode = jax.jit(lambda p, i, m: model.apply({"params": p}, i, m, method=LongT5.encode))
+
+    def run():
+        return jax.block_until_ready(encode(params, ids, mask))
+
+    return run
+
+
+def _theirs_encoder(torch_model, ids, mask):
+    import torch  # the optional reference (the test extra), only when it is installed
+
+    ids_t, mask_t = torch.from_numpy(ids).long(), torch.from_numpy(mask).long()
+
+    def run():
+        with torch.inference_mode():
+            return torch_model.get_encoder()(input_ids=ids_t, attention_mask=mask_t)
+
+    return run
+
+
 def _ours(model, params, ids, mask, beams, length):
     cfg = DecodeConfig(num_beams=beams)
 
@@ -94,10 +115,18 @@ def _timed(fn) -> tuple[float, np.ndarray]:
     return time.perf_counter() - began, out
 
 
+def _lengths(tokens: np.ndarray, eos: int) -> list[int]:
+    """Each summary's tokens up to and including EOS."""
+    return [int(np.flatnonzero(r == eos)[0] + 1) if (r == eos).any() else len(r) for r in tokens]
+
+
 def _decoded(tokens: np.ndarray, eos: int) -> float:
     """Mean tokens per summary up to and including EOS."""
-    lengths = [(np.flatnonzero(r == eos)[0] + 1) if (r == eos).any() else len(r) for r in tokens]
-    return float(np.mean(lengths))
+    return float(np.mean(_lengths(tokens, eos)))
+
+
+def _parts_cells(parts: dict[str, float]) -> str:
+    return f"{parts['encoder_s']:>6.2f} {parts['first_token_s']:>6.2f} {parts['step_ms']:>7.1f}"
 
 
 def _row(batch: int, beams: int, times: list, compile_s: float, tokens, eos: int):
@@ -138,9 +167,11 @@ def _main(argv: list[str]) -> int:
         torch_model = torch_reference.torch_longt5(config, jax.device_get(params))
         print(f"transformers on {torch.get_num_threads()} threads; ours on {jax.devices()[0]}")
     rows = []
+    # Where a summary's time goes, each side: the encoder, the first token, then each step.
+    parts = f"{'enc s':>6} {'1st s':>6} {'step ms':>7}"
     print(
         f"{'batch':>5} {'beams':>5} {'ours s':>8} {'summ/s':>7} {'tok/s':>7} {'compile s':>9} "
-        f"{'hf s':>8} {'hf summ/s':>9} {'speed-up':>8} {'spread':>7}"
+        f"{parts} {'hf s':>8} {'hf summ/s':>9} {'speed-up':>8} {'spread':>9} {parts}"
     )
     for batch in args.batch_size:
         rng = np.random.default_rng(0)
@@ -160,16 +191,45 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
+def _parts(runs: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each of `runs` (name -> call), run in turn `repeats` times."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(_timed(run)[0])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _where_time_goes(total: float, parts: dict[str, float], steps: int) -> dict[str, float]:
+    """A summary's seconds split: the encoder once, the first token (the decoder's first step,
+    which also computes the cross-attention keys), then each further step."""
+    return {
+        "encoder_s": parts["encoder"],
+        "first_token_s": parts["first"] - parts["encoder"],
+        "step_ms": 1e3 * (total - parts["first"]) / max(steps - 1, 1),
+    }
+
+
 def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, beams: int):
-    """Ours and transformers' (when given) decoding of `ids`, runs alternating: a row and a
-    line of the table."""
+    """Ours and transformers' (when given) decoding of `ids`, runs alternating, and where each
+    one's time goes: a row and a line of the table."""
     batch, mask = ids.shape[0], np.ones_like(ids)
     model, params = ours_model
     ours = _ours(model, params, ids, mask, beams, args.max_length)
     compile_s, tokens = _timed(ours)
+    runs = {
+        "ours_encoder": _ours_encoder(model, params, ids, mask),
+        "ours_first": _ours(model, params, ids, mask, beams, 1),
+    }
     theirs = None
     if torch_model is not None:
         theirs = _theirs(torch_model, ids, mask, beams, args.max_length)
+        runs |= {
+            "theirs_encoder": _theirs_encoder(torch_model, ids, mask),
+            "theirs_first": _theirs(torch_model, ids, mask, beams, 1),
+        }
+    for run in runs.values():  # compile, warm up
+        run()
     times, ref_times = [], []
     for _ in range(args.repeats):  # alternate: drift hits both alike
         seconds, tokens = _timed(ours)
@@ -177,7 +237,14 @@ def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, 
         if theirs is not None:
             seconds, ref_tokens = _timed(theirs)
             ref_times.append(seconds)
+    parts = _parts(runs, args.repeats)
+    # The loop runs until its last row (or beam search) is done: as many steps as the longest.
+    steps = int(max(_lengths(tokens, config.eos_id)))
     row, line = _row(batch, beams, times, compile_s, tokens, config.eos_id)
+    row["ours_parts"] = _where_time_goes(
+        row["seconds"], {k[5:]: v for k, v in parts.items() if k.startswith("ours_")}, steps
+    )
+    line += " " + _parts_cells(row["ours_parts"])
     if ref_times:
         ratios = [r / t for r, t in zip(ref_times, times, strict=True)]
         ref = statistics.median(ref_times)
@@ -187,10 +254,13 @@ def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, 
             "speedup": statistics.median(ratios),
             "speedup_range": [min(ratios), max(ratios)],
             "same_tokens": bool(_same(tokens, ref_tokens, config)),
+            "reference_parts": _where_time_goes(
+                ref, {k[7:]: v for k, v in parts.items() if k.startswith("theirs_")}, steps
+            ),
         }
         line += (
             f" {ref:>8.2f} {batch / ref:>9.3f} {row['speedup']:>7.2f}x "
-            f"{min(ratios):.2f}-{max(ratios):.2f}"
+            f"{min(ratios):.2f}-{max(ratios):.2f} {_parts_cells(row['reference_parts'])}"
         )
     return row, line
 
@@ -270,10 +340,11 @@ def bytes_markdown(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The results page's table: ours and transformers' seconds a call by beam count."""
+    """The results page's table: ours and transformers' seconds a call by beam count, and
+    where each one's time goes (encoder s, first token s, ms a further step)."""
     columns = [
         "batch", "beams", "ours s", "summaries/s", "tokens/s", "transformers s", "speed-up",
-        "range",
+        "range", "encoder s", "first token s", "ms a step",
     ]  # fmt: skip
     table = [
         [
@@ -283,10 +354,21 @@ def markdown(rows: list[dict]) -> str:
             f"{r['summaries_per_s']:.3f}",
             f"{r['tokens_per_s']:.1f}",
             *_theirs_cells(r),
+            *_split_cells(r, "encoder_s", "{:.2f}"),
+            *_split_cells(r, "first_token_s", "{:.2f}"),
+            *_split_cells(r, "step_ms", "{:.1f}"),
         ]  # fmt: skip
         for r in rows
     ]
     return page.markdown(columns, table)
+
+
+def _split_cells(row: dict, part: str, form: str) -> list[str]:
+    """'ours / transformers' of one part of a summary's time (ours alone without them)."""
+    ours = form.format(row["ours_parts"][part])
+    if "reference_parts" not in row:
+        return [ours]
+    return [f"{ours} / {form.format(row['reference_parts'][part])}"]
 
 
 def _theirs_cells(row: dict) -> list[str]:

@@ -85,15 +85,20 @@ class DecoderLayer(nn.Module):
         attn = Attention(c, det, name="self_attention")
         k, v = attn.keys_values(h)
         new: Cache | None = None
+        self_layouts = ("bshk", "bshk")
         if cache is not None:
+            self_layouts = SELF_CACHED_LAYOUTS
+            k, v = (
+                jnp.einsum(f"bshk->{to}", a) for a, to in zip((k, v), self_layouts, strict=True)
+            )
             new = dict(self_k=k, self_v=v)
-            k = jax.lax.dynamic_update_slice_in_dim(
-                cache["self_k"][:, layer], k, cache_index, axis=1
+            k, v = (
+                jax.lax.dynamic_update_slice_in_dim(
+                    cache[name][:, layer], a, cache_index, axis=layout.index("s")
+                )
+                for name, a, layout in zip(("self_k", "self_v"), (k, v), self_layouts, strict=True)
             )
-            v = jax.lax.dynamic_update_slice_in_dim(
-                cache["self_v"][:, layer], v, cache_index, axis=1
-            )
-        h = attn(h, k, v, self_mask, self_bias_HTS, rows, cached=cache is not None)
+        h = attn(h, k, v, self_mask, self_bias_HTS, rows, cache is not None, self_layouts)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
 
         h = norm(name="pre_cross_attention_layer_norm")(x)
@@ -115,6 +120,13 @@ class DecoderLayer(nn.Module):
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         x = nn.with_logical_constraint(x, EMBED)
         return x, new
+
+
+# How a decoding cache holds each layer's self-attention keys and values (`Attention`'s
+# layouts) after the rows (a beam search's reorder takes whole rows) and the layers: heads first
+# and the keys positions minor, as one query's matmuls read them in place on XLA:CPU (as
+# [B, T, H, K] it copied each layer's keys every token; `bench decode`'s CPU profile).
+SELF_CACHED_LAYOUTS = ("bhks", "bhsk")
 
 
 def cached_layouts(beams: int) -> tuple[str, str]:

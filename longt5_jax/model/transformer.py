@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import relpos, stack
-from longt5_jax.model.blocks import Cache, DecoderLayer, EncoderLayer, rows_of
+from longt5_jax.model.blocks import (
+    SELF_CACHED_LAYOUTS,
+    Cache,
+    DecoderLayer,
+    EncoderLayer,
+    rows_of,
+)
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import (
     Dropout,
@@ -198,13 +204,14 @@ class Decoder(nn.Module):
 
 
 def _updated(cache: Cache, new: Cache, index: jax.Array) -> Cache:
-    """The cache with every layer's new keys and values ([layers, B, T, H, K] from the layers'
-    scan) written at `index` (in place, inside a decoding loop), and the cross-attention keys
-    and values when this step made them."""
+    """The cache with every layer's new keys and values ([layers, B, ...] from the layers' scan)
+    written at `index` (in place, inside a decoding loop), and the cross-attention keys and
+    values when this step made them."""
     out = dict(cache)
-    for name in ("self_k", "self_v"):
+    for name, layout in zip(("self_k", "self_v"), SELF_CACHED_LAYOUTS, strict=True):
         rows_first = jnp.swapaxes(new[name], 0, 1)
-        out[name] = jax.lax.dynamic_update_slice_in_dim(cache[name], rows_first, index, axis=2)
+        at = 1 + layout.index("s")  # the positions' axis, after the rows' and the layers'
+        out[name] = jax.lax.dynamic_update_slice_in_dim(cache[name], rows_first, index, axis=at)
     for name in ("cross_k", "cross_v"):
         if name in new:
             out[name] = new[name]
@@ -342,7 +349,7 @@ class LongT5(nn.Module):
         """
         t = decoder_input_ids.shape[1]
         cache_index = jnp.asarray(cache_index, jnp.int32)
-        num_keys = t if cache is None else cache["self_k"].shape[2]
+        num_keys = t if cache is None else cache_length(cache)
         q_pos = cache_index + jnp.arange(t)
         self_mask = (jnp.arange(num_keys)[None, :] <= q_pos[:, None])[None]
         if decoder_attention_mask is not None and cache is None:
@@ -364,12 +371,23 @@ class LongT5(nn.Module):
 def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
     """An empty self-attention KV cache of `max_length` positions (cross keys come later).
 
-    Rows outermost ([B, layers, T, H, K]): a beam search's reorder takes whole rows, which XLA
-    gathers into the loop's buffer as they lie; layers outermost, it transposed a copy each step.
+    Rows outermost, then the layers, each as `blocks.SELF_CACHED_LAYOUTS` says: a beam search's
+    reorder takes whole rows, which XLA gathers into the loop's buffer as they lie; layers
+    outermost, it transposed a copy each step.
     """
-    shape = (batch, config.num_decoder_layers, max_length, config.num_heads, config.d_kv)
-    zeros = jnp.zeros(shape, config.compute_dtype)
-    return dict(self_k=zeros, self_v=zeros)
+    sizes = dict(b=batch, h=config.num_heads, k=config.d_kv, s=max_length)
+    return {
+        name: jnp.zeros(
+            (batch, config.num_decoder_layers, *(sizes[d] for d in layout[1:])),
+            config.compute_dtype,
+        )
+        for name, layout in zip(("self_k", "self_v"), SELF_CACHED_LAYOUTS, strict=True)
+    }
+
+
+def cache_length(cache: Cache) -> int:
+    """The positions a decoding cache holds."""
+    return cache["self_v"].shape[1 + SELF_CACHED_LAYOUTS[1].index("s")]
 
 
 def count_params(params: Any) -> int:
