@@ -72,7 +72,7 @@ class Attention(nn.Module):
     ) -> jax.Array:
         """Attention of x's queries over keys and values that lie as `layouts` says: [B, S, H, K]
         ('bshk', as `keys_values` makes them) or as a decoding cache holds them, where a step
-        reads them in place (`blocks.cached_layouts`)."""
+        reads them in place (`cache.cross_layouts`)."""
         c = self.config
         q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
         seed = self.dropout(rows)

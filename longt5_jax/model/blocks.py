@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model.attention import Attention
+from longt5_jax.model.cache import SELF_LAYOUTS, Cache, cross_layouts
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows, clamp_float16
 from longt5_jax.model.long_attention import GlobalBlocks, LongSelfAttention
 
 EMBED = ("batch", "length", "embed")
-Cache = dict[str, jax.Array]
 
 
 def rows_of(row_ids: jax.Array | None, layer: jax.Array | int = 0) -> Rows | None:
@@ -87,7 +87,7 @@ class DecoderLayer(nn.Module):
         new: Cache | None = None
         self_layouts = ("bshk", "bshk")
         if cache is not None:
-            self_layouts = SELF_CACHED_LAYOUTS
+            self_layouts = SELF_LAYOUTS
             k, v = (
                 jnp.einsum(f"bshk->{to}", a) for a, to in zip((k, v), self_layouts, strict=True)
             )
@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
         else:  # Training, or the first decoding step, which fills the cross-attention cache.
             ck, cv = cross.keys_values(encoded)
             if new is not None:
-                layouts = cached_layouts(x.shape[0] // encoded.shape[0])
+                layouts = cross_layouts(x.shape[0] // encoded.shape[0])
                 ck, cv = (
                     jnp.einsum(f"bshk->{to}", a) for a, to in zip((ck, cv), layouts, strict=True)
                 )
@@ -122,23 +122,6 @@ class DecoderLayer(nn.Module):
         return x, new
 
 
-# How a decoding cache holds each layer's self-attention keys and values (`Attention`'s
-# layouts) after the rows (a beam search's reorder takes whole rows) and the layers: heads first
-# and the keys positions minor, as one query's matmuls read them in place on XLA:CPU (as
-# [B, T, H, K] it copied each layer's keys every token; `bench decode`'s CPU profile).
-SELF_CACHED_LAYOUTS = ("bhks", "bhsk")
-
-
-def cached_layouts(beams: int) -> tuple[str, str]:
-    """How a decoding cache holds a layer's cross-attention keys and values (`Attention`'s
-    layouts): heads first, so that a step reads them where they lie. One query a document
-    attends by matmuls, which on XLA:CPU take the keys positions minor; a document's beams by
-    products summed over the minor dimension, which a GPU's fusions read in place only with the
-    head dimension minor. In any other layout a step copied each layer's keys or values every
-    token (`estimate.decode_bytes`; CPU profiles of `bench decode`)."""
-    return ("bhks" if beams == 1 else "bhsk"), "bhsk"
-
-
 def _cross_attention(
     cross: Attention,
     h_BTD: jax.Array,
@@ -148,12 +131,12 @@ def _cross_attention(
     rows: Rows | None,
     cached: bool,
 ) -> jax.Array:
-    """Cross-attention over keys and values [B, S, H, K] (cached: `cached_layouts`); decoder rows
-    that are beams (N a document, the document's keys once: [B, ...] against [B * N, ...]
-    queries) attend as N times the queries of their document, so a beam search reads each
-    document's keys and values once a step, not once a beam."""
+    """Cross-attention over keys and values [B, S, H, K] (cached: `cache.cross_layouts`);
+    decoder rows that are beams (N a document, the document's keys once: [B, ...] against
+    [B * N, ...] queries) attend as N times the queries of their document, so a beam search
+    reads each document's keys and values once a step, not once a beam."""
     b, bn = k.shape[0], h_BTD.shape[0]
-    layouts = cached_layouts(bn // b) if cached else ("bshk", "bshk")
+    layouts = cross_layouts(bn // b) if cached else ("bshk", "bshk")
     attend = functools.partial(cross, rows=rows, cached=cached, layouts=layouts)
     if b == bn:
         return attend(h_BTD, k, v, mask_BTS)

@@ -13,13 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import relpos, stack
-from longt5_jax.model.blocks import (
-    SELF_CACHED_LAYOUTS,
-    Cache,
-    DecoderLayer,
-    EncoderLayer,
-    rows_of,
-)
+from longt5_jax.model.blocks import DecoderLayer, EncoderLayer, rows_of
+from longt5_jax.model.cache import Cache, cache_length, updated
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import (
     Dropout,
@@ -148,26 +143,19 @@ class Decoder(nn.Module):
         table_HR = relpos.RelposTable(c.num_heads, c.relpos_buckets, name="relpos_bias")()
         bias_HTS = _decoder_bias(c, table_HR, self_mask.shape[-1], cache_index, y.shape[1])
         y = Dropout(c.dropout_rate, deterministic)(y, rows_of(row_ids))
-        # The cache goes to every layer whole (each reads its slices), not scanned: a scan would
-        # rewrite the whole cache (cross-attention keys included) into its outputs every step.
-        in_axes = (0,) + (nn.broadcast,) * 7
-        # A decoding step's layers unrolled: each reads its weights and caches at fixed offsets,
-        # which XLA reads where they lie (`infer.decode._stepper`), not sliced into copies.
+        # The cache reaches every layer whole (a scan would rewrite it into its outputs each
+        # step); a decoding step's layers are unrolled, to read their weights where they lie
+        # (`infer.decode._stepper`), not sliced into copies.
+        in_axes, unrolled = (0,) + (nn.broadcast,) * 7, True if cache is not None else None
         layers = stack.scanned(
-            DecoderLayer,
-            c,
-            c.num_decoder_layers,
-            in_axes,
-            deterministic,
-            "layers",
-            unrolled=True if cache is not None else None,
+            DecoderLayer, c, c.num_decoder_layers, in_axes, deterministic, "layers", unrolled
         )
         shared = DecoderSharedInputs(bias_HTS, cache_index)
         if cache is not None or self.is_initializing():
             rows = DecoderRowInputs(row_ids, encoded, self_mask, cross_mask)
             args = _layer_args(rows, shared, _DECODER_ARGS)
             y, new = layers(y, jnp.arange(c.num_decoder_layers), cache, *args)
-            cache = None if cache is None else _updated(cache, new, cache_index)
+            cache = None if cache is None else updated(cache, new, cache_index)
         else:  # training: the encoder output follows each microbatch to every stage
 
             def call(apply, h, rows, shared):
@@ -177,17 +165,9 @@ class Decoder(nn.Module):
                 return jnp.broadcast_to(mask, (y.shape[0], *mask.shape[1:]))
 
             rows = DecoderRowInputs(row_ids, encoded, per_row(self_mask), per_row(cross_mask))
+            runner = self.runner or stack.WholeStack()
             y = stack.run(
-                self,
-                layers,
-                DecoderLayer,
-                in_axes,
-                self.runner or stack.WholeStack(),
-                deterministic,
-                call,
-                y,
-                rows,
-                shared,
+                self, layers, DecoderLayer, in_axes, runner, deterministic, call, y, rows, shared
             )
         y = RMSNorm(c.layer_norm_eps, c.compute_dtype, name="decoder_norm")(y)
         y = Dropout(c.dropout_rate, deterministic)(y, rows_of(row_ids))
@@ -201,21 +181,6 @@ class Decoder(nn.Module):
             name="logits_dense",
         )(y)
         return nn.with_logical_constraint(logits, ("batch", "length", "vocab")), cache
-
-
-def _updated(cache: Cache, new: Cache, index: jax.Array) -> Cache:
-    """The cache with every layer's new keys and values ([layers, B, ...] from the layers' scan)
-    written at `index` (in place, inside a decoding loop), and the cross-attention keys and
-    values when this step made them."""
-    out = dict(cache)
-    for name, layout in zip(("self_k", "self_v"), SELF_CACHED_LAYOUTS, strict=True):
-        rows_first = jnp.swapaxes(new[name], 0, 1)
-        at = 1 + layout.index("s")  # the positions' axis, after the rows' and the layers'
-        out[name] = jax.lax.dynamic_update_slice_in_dim(cache[name], rows_first, index, axis=at)
-    for name in ("cross_k", "cross_v"):
-        if name in new:
-            out[name] = new[name]
-    return out
 
 
 def _decoder_bias(
@@ -366,28 +331,6 @@ class LongT5(nn.Module):
         return self.decoder(
             y, encoded, self_mask, cross_mask, cache, cache_index, deterministic, row_ids
         )
-
-
-def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
-    """An empty self-attention KV cache of `max_length` positions (cross keys come later).
-
-    Rows outermost, then the layers, each as `blocks.SELF_CACHED_LAYOUTS` says: a beam search's
-    reorder takes whole rows, which XLA gathers into the loop's buffer as they lie; layers
-    outermost, it transposed a copy each step.
-    """
-    sizes = dict(b=batch, h=config.num_heads, k=config.d_kv, s=max_length)
-    return {
-        name: jnp.zeros(
-            (batch, config.num_decoder_layers, *(sizes[d] for d in layout[1:])),
-            config.compute_dtype,
-        )
-        for name, layout in zip(("self_k", "self_v"), SELF_CACHED_LAYOUTS, strict=True)
-    }
-
-
-def cache_length(cache: Cache) -> int:
-    """The positions a decoding cache holds."""
-    return cache["self_v"].shape[1 + SELF_CACHED_LAYOUTS[1].index("s")]
 
 
 def count_params(params: Any) -> int:
