@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import LongT5, LongT5Config, init_cache
+from longt5_jax.model.cache import reordered, with_ancestry
 
 LOOP = "decode_loop"  # the token loops' name in a compiled program (`estimate.decode_bytes`)
 NEG = -1.0e9  # transformers' "never chosen" score, kept so beam scores match it exactly
@@ -198,6 +199,25 @@ def _beams_at_start(b: int, n: int, length: int, pad: int) -> tuple:
     )
 
 
+def _candidates(logits_RV: jax.Array, score_BN: jax.Array, k: int) -> tuple:
+    """The k best continuations of a document's beams ([B, K] scores, parent beams, tokens): a
+    beam's log-probabilities plus its score, in the order of top_k over all beams' [N * V]. Each
+    beam's own k best are found first (log_softmax keeps a row's order), so the vocabulary is
+    read twice (top_k, the normaliser's sum; the row's maximum is top_k's first) and the summed
+    [B, N * V] scores are never written; the log-probabilities are log_softmax's own."""
+    b, n = score_BN.shape
+    top_RK, token_RK = jax.lax.top_k(logits_RV, k)
+    peak_R1 = jax.lax.stop_gradient(top_RK[:, :1])
+    total_R1 = jnp.sum(jnp.exp(logits_RV - peak_R1), axis=-1, keepdims=True)
+    logp_RK = (top_RK - peak_R1) - jnp.log(total_R1)
+    summed = logp_RK.reshape(b, n * k) + jnp.repeat(score_BN, k, axis=1)
+    # Ties keep top_k's order over [N * V]: a lower beam, then a lower token.
+    cand_score_BK, flat = jax.lax.top_k(summed, k)
+    parent_BK = flat // k
+    token_BK = jnp.take_along_axis(token_RK.reshape(b, n * k), flat, axis=1)
+    return cand_score_BK, parent_BK, token_BK.astype(jnp.int32)
+
+
 def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache, length, b):
     """transformers' vectorised beam search (the same candidates, scores and stopping rule).
     Each step keeps the K = 2N best continuations of all live beams, so that N of them stay live
@@ -208,10 +228,7 @@ def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache
 
     def advance(state, logits, t):
         seq, score, fin_seq, fin_score, fin_done, open_, cache = state
-        v = logits.shape[-1]
-        logp = jax.nn.log_softmax(logits).reshape(b, n, v) + score[:, :, None]
-        cand_score_BK, flat = jax.lax.top_k(logp.reshape(b, n * v), k)
-        parent_BK, token_BK = flat // v, (flat % v).astype(jnp.int32)
+        cand_score_BK, parent_BK, token_BK = _candidates(logits, score, k)
         cand_BKT = _take(seq, parent_BK).at[:, :, t].set(token_BK)
         ended_BK = (token_BK == eos) | (t + 1 >= length)
 
@@ -232,10 +249,7 @@ def _beam_search(step: Step, cfg: DecodeConfig, eos: int, pad: int, start, cache
 
         # Each live beam continues its parent's cache; cross-attention is the same for all beams.
         order = (rows + parent).reshape(-1)
-        cache = {
-            name: jnp.take(x, order, axis=0) if name.startswith("self_") else x
-            for name, x in cache.items()
-        }
+        cache = reordered(cache, order, t)
         going = jnp.any(open_) & ~jnp.all(ended_BK)
         if cfg.early_stopping == "finished":
             going = going & ~jnp.all(fin_done)
@@ -318,7 +332,7 @@ def beam_search(
     # the document's, once (`blocks.DecoderLayer`).
     step = _stepper(model, params, encoded, attention_mask)
     start = jnp.full((b,), c.decoder_start_id, jnp.int32)
-    cache = init_cache(c, b * n, length)
+    cache = with_ancestry(init_cache(c, b * n, length))
     return _beam_search(step, cfg, c.eos_id, c.pad_id, start, cache, length, b)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model.attention import Attention
-from longt5_jax.model.cache import SELF_LAYOUTS, Cache, cross_layouts
+from longt5_jax.model.cache import SELF_LAYOUTS, Cache, ancestral, cross_layouts
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows, clamp_float16
 from longt5_jax.model.long_attention import GlobalBlocks, LongSelfAttention
@@ -97,6 +97,11 @@ class DecoderLayer(nn.Module):
                     cache[name][:, layer], a, cache_index, axis=layout.index("s")
                 )
                 for name, a, layout in zip(("self_k", "self_v"), (k, v), self_layouts, strict=True)
+            )
+        if cache is not None and "self_rows" in cache:
+            k, v = (
+                ancestral(a, cache["self_rows"], layout)
+                for a, layout in zip((k, v), self_layouts, strict=True)
             )
         h = attn(h, k, v, self_mask, self_bias_HTS, rows, cache is not None, self_layouts)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))

@@ -68,3 +68,30 @@ def updated(cache: Cache, new: Cache, index: jax.Array) -> Cache:
         if name in new:
             out[name] = new[name]
     return out
+
+
+def with_ancestry(cache: Cache) -> Cache:
+    """The cache of a beam search: rows stay where they are, and `self_rows` [R, T] says which
+    row holds each position of a row's hypothesis (at first its own). A reorder rewrites the
+    table, not the cache; a step reads its keys through it (`ancestral`)."""
+    rows, length = cache["self_v"].shape[0], cache_length(cache)
+    own = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, length))
+    return {**cache, "self_rows": own}
+
+
+def reordered(cache: Cache, order: jax.Array, index: jax.Array) -> Cache:
+    """A beam search's cache after row r continues row order[r]'s hypothesis: the table's
+    positions up to `index` as the parent's, those after it the row's own."""
+    rows_RT = cache["self_rows"]
+    later = jnp.arange(rows_RT.shape[1])[None, :] > index
+    own = jnp.arange(rows_RT.shape[0], dtype=jnp.int32)[:, None]
+    return {**cache, "self_rows": jnp.where(later, own, jnp.take(rows_RT, order, axis=0))}
+
+
+def ancestral(x: jax.Array, rows_RT: jax.Array, layout: str) -> jax.Array:
+    """x (one layer's keys or values, rows first, in `layout`) with each row's position p read
+    from row rows_RT[r, p]."""
+    at = layout.index("s")
+    moved = jnp.moveaxis(x, at, 1)  # [R, T, ...]
+    gathered = moved[rows_RT, jnp.arange(rows_RT.shape[1])[None, :]]
+    return jnp.moveaxis(gathered, 1, at)
