@@ -201,8 +201,8 @@ def _beams_at_start(b: int, n: int, length: int, pad: int) -> tuple:
 
 def _top_k_a_row_at_a_time(x_RV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """top_k of each row, a row at a time: XLA:CPU runs top_k of one row as its partial TopK,
-    of several as a full sort of every row (26 ms a step at 4 rows of 32k). A GPU's TopK takes
-    the rows at once (as a row at a time it wrote a scratch copy of each: 8 MB a step at 32)."""
+    of several as a full sort of every row. A GPU's TopK takes the rows at once (a row at a time,
+    it wrote a scratch copy of each; figures: docs/journal.md, "Decoding")."""
     rows = [jax.lax.top_k(x_RV[r : r + 1], k) for r in range(x_RV.shape[0])]
     top, index = (jnp.concatenate(each) for each in zip(*rows, strict=True))
     return top, index
