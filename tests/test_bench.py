@@ -1,6 +1,7 @@
 """The benchmarks run end to end on tiny sizes and write their JSON (no timing is asserted)."""
 
 import json
+import math
 import subprocess
 
 import jax
@@ -63,10 +64,11 @@ def test_decode_benchmark_races_transformers_on_the_same_tokens(tmp_path):
     for row in rows:
         assert row["same_tokens"] and 0 < row["decoded_tokens"] <= 8
         assert row["summaries_per_s"] == 1 / row["seconds"] and row["speedup"] > 0
-        # Where each side's time goes: the encoder alone, then the first token and each step.
+        # Where each side's time goes: the encoder alone, then the first token and each step
+        # (differences of separate timings: at the tiny model's milliseconds, either sign).
         for parts in (row["ours_parts"], row["reference_parts"]):
             assert set(parts) == {"encoder_s", "first_token_s", "step_ms"}
-            assert 0 < parts["encoder_s"] < row["seconds"] + row["reference_seconds"]
+            assert parts["encoder_s"] > 0 and all(map(math.isfinite, parts.values()))
 
 
 def test_device_benchmark_refuses_bad_cases_and_a_machine_without_a_gpu(tmp_path, capsys):
