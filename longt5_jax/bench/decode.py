@@ -191,13 +191,17 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-def _parts(runs: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each of `runs` (name -> call), run in turn `repeats` times."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
+def _parts(runs: dict, repeats: int) -> dict[tuple[str, str], float]:
+    """Median seconds of each of `runs` ((side, part) -> call), run in turn `repeats` times."""
+    times: dict[tuple[str, str], list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             times[name].append(_timed(run)[0])
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _side(parts: dict[tuple[str, str], float], side: str) -> dict[str, float]:
+    return {part: seconds for (of, part), seconds in parts.items() if of == side}
 
 
 def _where_time_goes(total: float, parts: dict[str, float], steps: int) -> dict[str, float]:
@@ -218,15 +222,15 @@ def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, 
     ours = _ours(model, params, ids, mask, beams, args.max_length)
     compile_s, tokens = _timed(ours)
     runs = {
-        "ours_encoder": _ours_encoder(model, params, ids, mask),
-        "ours_first": _ours(model, params, ids, mask, beams, 1),
+        ("ours", "encoder"): _ours_encoder(model, params, ids, mask),
+        ("ours", "first"): _ours(model, params, ids, mask, beams, 1),
     }
     theirs = None
     if torch_model is not None:
         theirs = _theirs(torch_model, ids, mask, beams, args.max_length)
         runs |= {
-            "theirs_encoder": _theirs_encoder(torch_model, ids, mask),
-            "theirs_first": _theirs(torch_model, ids, mask, beams, 1),
+            ("theirs", "encoder"): _theirs_encoder(torch_model, ids, mask),
+            ("theirs", "first"): _theirs(torch_model, ids, mask, beams, 1),
         }
     for run in runs.values():  # compile, warm up
         run()
@@ -241,9 +245,7 @@ def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, 
     # The loop runs until its last row (or beam search) is done: as many steps as the longest.
     steps = int(max(_lengths(tokens, config.eos_id)))
     row, line = _row(batch, beams, times, compile_s, tokens, config.eos_id)
-    row["ours_parts"] = _where_time_goes(
-        row["seconds"], {k[5:]: v for k, v in parts.items() if k.startswith("ours_")}, steps
-    )
+    row["ours_parts"] = _where_time_goes(row["seconds"], _side(parts, "ours"), steps)
     line += " " + _parts_cells(row["ours_parts"])
     if ref_times:
         ratios = [r / t for r, t in zip(ref_times, times, strict=True)]
@@ -254,9 +256,7 @@ def _race(args, config: LongT5Config, ours_model, torch_model, ids: np.ndarray, 
             "speedup": statistics.median(ratios),
             "speedup_range": [min(ratios), max(ratios)],
             "same_tokens": bool(_same(tokens, ref_tokens, config)),
-            "reference_parts": _where_time_goes(
-                ref, {k[7:]: v for k, v in parts.items() if k.startswith("theirs_")}, steps
-            ),
+            "reference_parts": _where_time_goes(ref, _side(parts, "theirs"), steps),
         }
         line += (
             f" {ref:>8.2f} {batch / ref:>9.3f} {row['speedup']:>7.2f}x "

@@ -9,10 +9,9 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from longt5_jax.model.attention import Attention
-from longt5_jax.model.cache import SELF_LAYOUTS, Cache, ancestral, cross_layouts
+from longt5_jax.model.cache import SELF_LAYOUTS, Cache, ancestral, cross_layouts, laid_out
 from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows, clamp_float16
 from longt5_jax.model.long_attention import GlobalBlocks, LongSelfAttention
@@ -88,9 +87,7 @@ class DecoderLayer(nn.Module):
         self_layouts = ("bshk", "bshk")
         if cache is not None:
             self_layouts = SELF_LAYOUTS
-            k, v = (
-                jnp.einsum(f"bshk->{to}", a) for a, to in zip((k, v), self_layouts, strict=True)
-            )
+            k, v = laid_out(k, v, self_layouts)
             new = dict(self_k=k, self_v=v)
             k, v = (
                 jax.lax.dynamic_update_slice_in_dim(
@@ -98,11 +95,11 @@ class DecoderLayer(nn.Module):
                 )
                 for name, a, layout in zip(("self_k", "self_v"), (k, v), self_layouts, strict=True)
             )
-        if cache is not None and "self_rows" in cache:
-            k, v = (
-                ancestral(a, cache["self_rows"], layout)
-                for a, layout in zip((k, v), self_layouts, strict=True)
-            )
+            if "self_rows" in cache:  # a beam search's: each position read from its row
+                k, v = (
+                    ancestral(a, cache["self_rows"], layout)
+                    for a, layout in zip((k, v), self_layouts, strict=True)
+                )
         h = attn(h, k, v, self_mask, self_bias_HTS, rows, cache is not None, self_layouts)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
 
@@ -113,10 +110,7 @@ class DecoderLayer(nn.Module):
         else:  # Training, or the first decoding step, which fills the cross-attention cache.
             ck, cv = cross.keys_values(encoded)
             if new is not None:
-                layouts = cross_layouts(x.shape[0] // encoded.shape[0])
-                ck, cv = (
-                    jnp.einsum(f"bshk->{to}", a) for a, to in zip((ck, cv), layouts, strict=True)
-                )
+                ck, cv = laid_out(ck, cv, cross_layouts(x.shape[0] // encoded.shape[0]))
                 new |= dict(cross_k=ck, cross_v=cv)
         h = _cross_attention(cross, h, ck, cv, cross_mask, rows, cache is not None)
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))

@@ -17,9 +17,9 @@ Cache = dict[str, jax.Array]
 
 
 # How a decoding cache holds each layer's self-attention keys and values (`Attention`'s
-# layouts) after the rows (a beam search's reorder takes whole rows) and the layers: heads first
-# and the keys positions minor, as one query's matmuls read them in place on XLA:CPU (as
-# [B, T, H, K] it copied each layer's keys every token; `bench decode`'s CPU profile).
+# layouts) after the rows and the layers: heads first and the keys positions minor, as one
+# query's matmuls read them in place on XLA:CPU (as [B, T, H, K] it copied each layer's keys
+# every token; `bench decode`'s CPU profile).
 SELF_LAYOUTS = ("bhks", "bhsk")
 
 
@@ -36,9 +36,7 @@ def cross_layouts(beams: int) -> tuple[str, str]:
 def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
     """An empty self-attention KV cache of `max_length` positions (cross keys come later).
 
-    Rows outermost, then the layers, each as `SELF_LAYOUTS` says: a beam search's reorder takes
-    whole rows, which XLA gathers into the loop's buffer as they lie; layers outermost, it
-    transposed a copy each step.
+    Rows outermost, then the layers, each as `SELF_LAYOUTS` says.
     """
     sizes = dict(b=batch, h=config.num_heads, k=config.d_kv, s=max_length)
     return {
@@ -48,6 +46,11 @@ def init_cache(config: LongT5Config, batch: int, max_length: int) -> Cache:
         )
         for name, layout in zip(("self_k", "self_v"), SELF_LAYOUTS, strict=True)
     }
+
+
+def laid_out(k: jax.Array, v: jax.Array, layouts: tuple[str, str]) -> tuple[jax.Array, ...]:
+    """Keys and values [B, S, H, K] (as `Attention.keys_values` makes them) in `layouts`."""
+    return tuple(jnp.einsum(f"bshk->{to}", x) for x, to in zip((k, v), layouts, strict=True))
 
 
 def cache_length(cache: Cache) -> int:
