@@ -9,6 +9,7 @@ many tiny eager ops would cost more to write than to compile).
 """
 
 import collections
+import gc
 import os
 import subprocess
 import sys
@@ -44,6 +45,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# A test process traces and compiles hundreds of programs and keeps its files' fixtures alive:
+# at Python's default thresholds (700, 10, 10) its collector ran often and scanned all of that
+# each time, a share of every in-process test's time (docs/benchmarks.md, "The test suite").
+# Tracing's garbage is mostly acyclic and freed by reference counts; the collector still runs.
+gc.set_threshold(50_000, 20, 100)
 
 import pytest  # noqa: E402
 
