@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from longt5_jax.model import LongT5, LongT5Config, init_cache
+from longt5_jax.model.blocks import joined_for_decoding
 from longt5_jax.model.cache import reordered, with_ancestry
 
 LOOP = "decode_loop"  # the token loops' name in a compiled program (`estimate.decode_bytes`)
@@ -95,12 +96,13 @@ def _stepper(model: LongT5, params: Any, encoded: jax.Array, mask: jax.Array) ->
     The decoder's layers enter the token loop an array a layer (sliced once a call) and are
     stacked again inside it: a step's layers are unrolled, and XLA reads each layer's slice of
     that stack as the layer's own array, where it lies. Sliced from the stack every step, each
-    layer's weights were copied every token (XLA:CPU's matmuls and a GPU's alike).
+    layer's weights were copied every token (XLA:CPU's matmuls and a GPU's alike). The kernels a
+    step multiplies by one input are joined first (`blocks.joined_for_decoding`).
     """
     decoder = params["decoder"]
+    joined = joined_for_decoding(decoder["layers"])
     layers = [
-        jax.tree.map(lambda p, i=i: p[i], decoder["layers"])
-        for i in range(model.config.num_decoder_layers)
+        jax.tree.map(lambda p, i=i: p[i], joined) for i in range(model.config.num_decoder_layers)
     ]
 
     def step(tokens, cache, index):

@@ -17,6 +17,8 @@ from longt5_jax.model.config import LongT5Config
 from longt5_jax.model.layers import AttentionDropout, Projection, Rows, normal
 
 HEADS = ("batch", "length", "heads", "kv")
+# A decoding step's self-attention kernels side by side (`blocks.joined_for_decoding`).
+JOINED_QKV = "qkv_joined"
 MASKED = -1e10  # both references use -1e10, not finfo.min; encoder outputs only match with it
 
 
@@ -55,9 +57,25 @@ class Attention(nn.Module):
         self.dropout = AttentionDropout(self.config.dropout_rate, self.deterministic)
 
     def keys_values(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.has_variable("params", JOINED_QKV):
+            _, k, v = self._joined(x_BSD)
+            return nn.with_logical_constraint(k, HEADS), nn.with_logical_constraint(v, HEADS)
         k = nn.with_logical_constraint(self.key(x_BSD), HEADS)
         v = nn.with_logical_constraint(self.value(x_BSD), HEADS)
         return k, v
+
+    def _queries(self, x_BTD: jax.Array) -> jax.Array:
+        q = self._joined(x_BTD)[0] if self.has_variable("params", JOINED_QKV) else self.query(x_BTD)
+        return nn.with_logical_constraint(q, HEADS)
+
+    def _joined(self, x_BTD: jax.Array) -> tuple[jax.Array, ...]:
+        """Queries, keys and values by one product with the kernels side by side (a decoding
+        step's self-attention: `blocks.joined_for_decoding`). The keys' caller and the queries'
+        multiply the same operands, which XLA computes once."""
+        dtype = self.config.compute_dtype
+        joined: jax.Array = self.get_variable("params", JOINED_QKV).astype(dtype)  # [D, 3, H, K]
+        out = jnp.einsum("btd,dnhk->btnhk", x_BTD.astype(dtype), joined)
+        return out[:, :, 0], out[:, :, 1], out[:, :, 2]
 
     def __call__(
         self,
@@ -74,7 +92,7 @@ class Attention(nn.Module):
         ('bshk', as `keys_values` makes them) or as a decoding cache holds them, where a step
         reads them in place (`cache.cross_layouts`)."""
         c = self.config
-        q_BTHK = nn.with_logical_constraint(self.query(x_BTD), HEADS)
+        q_BTHK = self._queries(x_BTD)
         seed = self.dropout(rows)
         # Cached decoding (one query a step, or a document's beams) stays on XLA: there is no
         # score tensor to save.

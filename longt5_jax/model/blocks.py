@@ -9,11 +9,12 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
-from longt5_jax.model.attention import Attention
+from longt5_jax.model.attention import JOINED_QKV, Attention
 from longt5_jax.model.cache import SELF_LAYOUTS, Cache, ancestral, cross_layouts, laid_out
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import MLP, Dropout, RMSNorm, Rows, clamp_float16
+from longt5_jax.model.layers import JOINED_WI, MLP, Dropout, RMSNorm, Rows, clamp_float16
 from longt5_jax.model.long_attention import GlobalBlocks, LongSelfAttention
 
 EMBED = ("batch", "length", "embed")
@@ -119,6 +120,22 @@ class DecoderLayer(nn.Module):
         x = clamp_float16(x + Dropout(c.dropout_rate, det)(h, rows))
         x = nn.with_logical_constraint(x, EMBED)
         return x, new
+
+
+def joined_for_decoding(layers: dict) -> dict:
+    """The decoder layers' parameters (stacked, layers first) with the kernels a decoding step
+    multiplies by the same input also side by side, as `Attention` and `MLP` then read them: the
+    self-attention's queries, keys and values, the MLP's two input kernels. A step's token
+    multiplies each group in one matrix-vector product, which XLA:CPU shares out over its
+    threads; each kernel alone is too small to be, and was read on one."""
+    attention, mlp = layers["self_attention"], layers["mlp"]
+    qkv = jnp.stack([attention[name]["kernel"] for name in ("query", "key", "value")], axis=2)
+    wi = jnp.concatenate([mlp["wi_0"]["kernel"], mlp["wi_1"]["kernel"]], axis=-1)
+    return {
+        **layers,
+        "self_attention": {**attention, JOINED_QKV: qkv},
+        "mlp": {**mlp, JOINED_WI: wi},
+    }
 
 
 def _cross_attention(

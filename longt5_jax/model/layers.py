@@ -192,6 +192,10 @@ def _shared_projection_bwd(n_in, saved, dys):
 _shared_projection.defvjp(_shared_projection_fwd, _shared_projection_bwd)
 
 
+# A decoding step's MLP input kernels side by side (`blocks.joined_for_decoding`), [D, 2 * F].
+JOINED_WI = "wi_joined"
+
+
 class MLP(nn.Module):
     """Gated GELU: wo(gelu_tanh(x wi_0) * (x wi_1)), as T5.1.1 (HF 'gated-gelu')."""
 
@@ -209,8 +213,13 @@ class MLP(nn.Module):
             kernel_init=truncated_normal_fan_in(),
             dtype=c.compute_dtype,
         )
-        gate = nn.gelu(wi(name="wi_0")(x), approximate=True)
-        h = gate * wi(name="wi_1")(x)
+        if self.has_variable("params", JOINED_WI):
+            joined: jax.Array = self.get_variable("params", JOINED_WI).astype(c.compute_dtype)
+            h0, h1 = jnp.split(_project(1, x.astype(c.compute_dtype), joined), 2, axis=-1)
+            h = nn.gelu(h0, approximate=True) * h1
+        else:
+            gate = nn.gelu(wi(name="wi_0")(x), approximate=True)
+            h = gate * wi(name="wi_1")(x)
         h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
         h = Dropout(c.dropout_rate, self.deterministic)(h, rows)
         return Projection(
