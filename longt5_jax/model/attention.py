@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from longt5_jax.kernels import interface as kernels
 from longt5_jax.kernels.dropout import dropout_scale
 from longt5_jax.model.config import LongT5Config
-from longt5_jax.model.layers import AttentionDropout, Projection, Rows, normal
+from longt5_jax.model.layers import AttentionDropout, Projection, Rows, joined_product, normal
 
 HEADS = ("batch", "length", "heads", "kv")
 # A decoding step's self-attention kernels side by side (`blocks.joined_for_decoding`).
@@ -72,9 +72,7 @@ class Attention(nn.Module):
         """Queries, keys and values by one product with the kernels side by side (a decoding
         step's self-attention: `blocks.joined_for_decoding`). The keys' caller and the queries'
         multiply the same operands, which XLA computes once."""
-        dtype = self.config.compute_dtype
-        joined: jax.Array = self.get_variable("params", JOINED_QKV).astype(dtype)  # [D, 3, H, K]
-        out = jnp.einsum("btd,dnhk->btnhk", x_BTD.astype(dtype), joined)
+        out = joined_product(self, JOINED_QKV, x_BTD, self.config.compute_dtype)  # [B, T, 3, H, K]
         return out[:, :, 0], out[:, :, 1], out[:, :, 2]
 
     def __call__(

@@ -196,6 +196,13 @@ _shared_projection.defvjp(_shared_projection_fwd, _shared_projection_bwd)
 JOINED_WI = "wi_joined"
 
 
+def joined_product(module: nn.Module, name: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """x times the kernels `module` holds side by side as `name` (`blocks.joined_for_decoding`),
+    as `Projection` multiplies: both in `dtype`, x's last axis against the kernel's first."""
+    kernel: jax.Array = module.get_variable("params", name)
+    return _project(1, x.astype(dtype), kernel.astype(dtype))
+
+
 class MLP(nn.Module):
     """Gated GELU: wo(gelu_tanh(x wi_0) * (x wi_1)), as T5.1.1 (HF 'gated-gelu')."""
 
@@ -214,8 +221,8 @@ class MLP(nn.Module):
             dtype=c.compute_dtype,
         )
         if self.has_variable("params", JOINED_WI):
-            joined: jax.Array = self.get_variable("params", JOINED_WI).astype(c.compute_dtype)
-            h0, h1 = jnp.split(_project(1, x.astype(c.compute_dtype), joined), 2, axis=-1)
+            both = joined_product(self, JOINED_WI, x, c.compute_dtype)
+            h0, h1 = jnp.split(both, 2, axis=-1)
             h = nn.gelu(h0, approximate=True) * h1
         else:
             gate = nn.gelu(wi(name="wi_0")(x), approximate=True)
