@@ -278,7 +278,7 @@ def _v100_step(dtype: str, dump: Path | None = None) -> compile_ahead.CompiledSt
     step = compile_ahead.sharded_step(config, parallel, devices=devices)
     lowered = step.lower(step.abstract_state, compile_ahead.abstract_batch(step, *SHAPE))
     with compile_ahead._persistent_cache(False):  # a compile-only program cannot be read back
-        options = xla_options.dump_options(str(dump))
+        options = xla_options.dump_options(str(dump), every_emitter=True)  # jax 0.12's PTX
         return compile_ahead.CompiledStep(step, lowered.compile(options), 4)
 
 

@@ -167,6 +167,16 @@ def occupancy(reading: dict, spec: str) -> dict:
     }
 
 
+def _attention_ptx(dump: Path) -> list[tuple[str, int, Path]]:
+    """(kernel name, declared FLOPs, PTX file) of each attention kernel in an XLA dump."""
+    found = []
+    for path in dump.glob("*.ptx"):
+        entry = re.search(r"\.entry\s+(\w+?)(?:_flops_(\d+))?\(", path.read_text())
+        if entry and "attention" in entry.group(1):
+            found.append((entry.group(1), int(entry.group(2) or 0), path))
+    return found
+
+
 def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> dict[str, dict]:
     """{kernel name: reading} of the case's layer forward and backward compiled for `target`
     with the kernels' `launch` settings (`kernels.launch.launch`)."""
@@ -180,14 +190,14 @@ def compiled_kernels(case: str, target: str, dtype: str, launch: tuple = ()) -> 
     with tempfile.TemporaryDirectory() as tmp:
         grad = kernel_checks.layer_loss_grad(config, kind, launch)
         args = (params, inputs, cotangent, inputs["x"])
-        # Users' matmul precision (the tests ask for "highest").
-        with jax.default_matmul_precision("default"):
-            compile_ahead.compile_on_one(grad, args, spec, xla_options.dump_options(tmp))
-        kernels_ptx = []
-        for path in Path(tmp).glob("*.ptx"):
-            entry = re.search(r"\.entry\s+(\w+?)(?:_flops_(\d+))?\(", path.read_text())
-            if entry and "attention" in entry.group(1):
-                kernels_ptx.append((entry.group(1), int(entry.group(2) or 0), path))
+        for every_emitter in (False, True):  # the second where XLA wrote no kernel's PTX
+            # Users' matmul precision (the tests ask for "highest").
+            with jax.default_matmul_precision("default"):
+                options = xla_options.dump_options(tmp, every_emitter)
+                compile_ahead.compile_on_one(grad, args, spec, options)
+            kernels_ptx = _attention_ptx(Path(tmp))
+            if kernels_ptx:
+                break
         launches = {}
         for path in Path(tmp).glob("*.thunk_sequence.txt"):
             launches.update(read_launches(path.read_text()))

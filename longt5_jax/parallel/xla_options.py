@@ -65,7 +65,11 @@ def compiler_options(platform: str) -> dict[str, str | int | bool] | None:
     return None
 
 
-def dump_options(directory: str) -> dict[str, str]:
-    """Options that make a compile write XLA's dump, the kernels' PTX among it, to `directory`
-    (jax 0.12's XLA writes PTX only for the emitters `xla_dump_emitter_re` names)."""
-    return {"xla_dump_to": directory, "xla_dump_emitter_re": ".*"}
+def dump_options(directory: str, every_emitter: bool = False) -> dict[str, str]:
+    """Options that make a compile write XLA's dump, the kernels' PTX among it, to `directory`.
+    jax 0.10's XLA writes every kernel's PTX with the dump; jax 0.12's only for the emitters
+    `xla_dump_emitter_re` names, and naming them all (`every_emitter`) also writes each Triton
+    kernel's IR after every pass of its lowering: hundreds of MB, most of such a compile's time.
+    So they are asked for only where a dump came without the PTX (`bench sass`)."""
+    options = {"xla_dump_to": directory}
+    return {**options, "xla_dump_emitter_re": ".*"} if every_emitter else options
