@@ -273,17 +273,18 @@ DEMO_STEPS = [
     "--gin.RunConfig.train_steps=6",
     "--gin.RunConfig.log_every=3",
     "--gin.EvalConfig.loss_every=3",
-    "--gin.EvalConfig.loss_examples=16",
+    "--gin.EvalConfig.loss_examples=8",
     "--gin.EvalConfig.rouge_every=6",
 ]
-# ... and the evaluation command on as many papers (the whole split of 50, in training's
-# evaluations and this one, took about 30 s more here).
-DEMO_EVAL = ["--limit=16"]
+# ... and the evaluation command on as many papers: one batch of 8, the papers the run's ROUGE
+# reads (the whole split of 50, in training's evaluations and this one, took about 30 s more
+# here).
+DEMO_EVAL = ["--limit=8"]
 
 
 @pytest.mark.slow
 def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
-    """The README's main job in a fresh process (shortened to 6 steps and evaluating 16 of the
+    """The README's main job in a fresh process (shortened to 6 steps and evaluating 8 of the
     50 validation papers), then its evaluation command on the checkpoint; about 1.5 minutes on
     2 cores."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -309,7 +310,7 @@ def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
     assert "8 devices" in out.stdout and (tmp_path / "checkpoints" / "6").is_dir()
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
     assert sorted(evals) == [3, 6] and evals[6]["eval/loss"] < evals[3]["eval/loss"]
-    assert "eval/rouge1" in evals[6] and evals[6]["eval/tokens"] > 1000
+    assert "eval/rouge1" in evals[6] and evals[6]["eval/tokens"] > 500
 
     # Then the README's evaluation command on that checkpoint.
     evaluate = [sys.executable, "-m", "longt5_jax.evaluate", f"--gin_file={tmp_path}/config.gin"]
@@ -322,10 +323,10 @@ def test_the_demo_command_as_a_new_user_runs_it(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = json.loads((tmp_path / "eval" / "step_6" / "val_metrics.json").read_text())
-    assert metrics["examples"] == 16 and metrics["rougeLsum"] > 0
+    assert metrics["examples"] == 8 and metrics["rougeLsum"] > 0
     np.testing.assert_allclose(metrics["eval_loss"], evals[6]["eval/loss"], rtol=1e-5)
     predictions = (tmp_path / "eval" / "step_6" / "val_predictions.jsonl").read_text()
-    assert len(predictions.splitlines()) == 16
+    assert len(predictions.splitlines()) == 8
 
 
 @pytest.mark.slow
